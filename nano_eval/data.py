@@ -1,0 +1,125 @@
+"""Batching: sort by token length, shard over data-parallel ranks, cut batches by a token budget.
+
+Items are sorted longest first so each batch pads only to its own longest row and out-of-memory shows up on the
+first batch. The order of items (and so every rank's shard) is a pure function of the requests, never of timing.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+
+@dataclass
+class ScoringItem:
+    """One row to run through the model.
+
+    `tokens` is the full token sequence (context + continuation); the model sees tokens[:-1]. The last `n_scored`
+    tokens are the targets whose log-probs we need. `key` identifies the result (request key, window index ...).
+    """
+
+    key: Any
+    tokens: list[int]
+    n_scored: int
+    truncated: int = 0  # context tokens dropped from the left to fit the model's context
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+
+class DynamicBatchDataset:
+    """Items sorted by length (longest first, stable on ties) with batches cut by a padded-token budget."""
+
+    def __init__(self, items: Sequence, length_fn: Callable[[Any], int]):
+        self.items = list(items)
+        self.length_fn = length_fn
+        order = sorted(range(len(self.items)), key=lambda i: (-length_fn(self.items[i]), i))
+        self.sorted_items = [self.items[i] for i in order]
+        self.original_index = order  # sorted position -> original position
+
+    def __len__(self) -> int:
+        return len(self.sorted_items)
+
+    def __getitem__(self, i: int):
+        return self.sorted_items[i]
+
+    def splits_iterator(self, indices: Sequence[int], max_tokens: int, max_batch_size: int) -> Iterator[list[int]]:
+        """Yield batches of sorted positions (taken from `indices`, already longest first) within the budget.
+
+        A batch holds rows while rows x longest_row <= max_tokens (always at least one row).
+        """
+        batch: list[int] = []
+        longest = 0
+        for i in indices:
+            length = self.length_fn(self.sorted_items[i])
+            longest = max(longest, length)
+            if batch and ((len(batch) + 1) * longest > max_tokens or len(batch) >= max_batch_size):
+                yield batch
+                batch, longest = [], length
+            batch.append(i)
+        if batch:
+            yield batch
+
+    def get_original_order(self, sorted_results: Sequence) -> list:
+        """Put results given in sorted order back in the items' original order; raise if any is missing."""
+        if len(sorted_results) != len(self.sorted_items):
+            raise RuntimeError(f"expected {len(self.sorted_items)} results, got {len(sorted_results)}")
+        out: list = [None] * len(self.sorted_items)
+        for pos, result in enumerate(sorted_results):
+            if result is None:
+                raise RuntimeError(f"result missing for item {self.original_index[pos]} (sorted position {pos})")
+            out[self.original_index[pos]] = result
+        return out
+
+
+class LoglikelihoodDataset(DynamicBatchDataset):
+    """Context + continuation rows, sorted by total length."""
+
+    def __init__(self, items: Sequence[ScoringItem]):
+        super().__init__(items, length_fn=lambda item: item.length)
+
+
+class LoglikelihoodSingleTokenDataset(LoglikelihoodDataset):
+    """Rows whose continuations are single tokens: one forward scores every choice at the last position."""
+
+
+class GenerativeTaskDataset(DynamicBatchDataset):
+    """Generation rows sorted by prompt + generation budget; batches never mix generation settings."""
+
+    def __init__(self, items: Sequence[ScoringItem]):
+        super().__init__(items, length_fn=lambda item: item.length + item.extra["max_new_tokens"])
+
+    def splits_iterator(self, indices: Sequence[int], max_tokens: int, max_batch_size: int) -> Iterator[list[int]]:
+        groups: dict[tuple, list[int]] = {}
+        for i in indices:
+            groups.setdefault(self.sorted_items[i].extra["group"], []).append(i)
+        for group_indices in groups.values():
+            yield from super().splits_iterator(group_indices, max_tokens, max_batch_size)
+
+
+class GenerativeTaskDatasetNanotron(GenerativeTaskDataset):
+    """Name kept for lighteval compatibility; the nanotron backend batches generation like every other backend."""
+
+
+class GenDistributedSampler:
+    """Shard sorted positions over data-parallel replicas: rank r takes positions r, r + dp, r + 2dp, ...
+
+    Interleaving keeps every shard's length profile alike (so ranks finish together). Shards are padded with
+    repeats of the last (shortest) position so that all ranks see the same number of rows; results of repeats carry the
+    same request key and collapse when gathered.
+    """
+
+    def __init__(self, dataset: DynamicBatchDataset, num_replicas: int, rank: int):
+        self.dataset, self.num_replicas, self.rank = dataset, num_replicas, rank
+        self.num_samples = math.ceil(len(dataset) / num_replicas) if len(dataset) else 0
+
+    def __iter__(self) -> Iterator[int]:
+        n = len(self.dataset)
+        positions = list(range(n)) + [n - 1] * (self.num_samples * self.num_replicas - n)
+        return iter(positions[self.rank :: self.num_replicas])
+
+    def __len__(self) -> int:
+        return self.num_samples

@@ -1,0 +1,204 @@
+"""Evaluator: build once (load data, build prompts, tokenise, sort), then `evaluate(step)` as often as you like.
+
+`evaluate` only runs forwards, scores, and aggregates; every rank returns the same `EvalResults`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from nano_eval.engine import BatchingConfig, Engine, GenerationResult
+from nano_eval.models.base import Backend
+from nano_eval.models.response import ModelResponse
+from nano_eval.requests import Doc, Request, RequestType
+from nano_eval.tasks import Task, TaskSpec, build_requests
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalConfig:
+    """What to evaluate and how; scores never depend on `batching`."""
+
+    max_samples: int | None = None  # first K documents of each task (dataset order)
+    seed: int = 0  # few-shot sampling seed
+    batching: BatchingConfig = field(default_factory=BatchingConfig)
+    progress: bool = True
+
+
+@dataclass
+class TaskResult:
+    key: str  # "suite|task|k"
+    version: int
+    metrics: dict[str, float]  # metric -> value, plus "<metric>_stderr"
+    num_docs: int
+    skipped_docs: int
+    truncated_requests: int
+    details: list[dict]
+
+
+@dataclass
+class EvalResults:
+    tasks: dict[str, TaskResult]
+    timings: dict[str, float]
+
+    def table(self) -> str:
+        """A plain-text results table, one row per task and metric."""
+        rows = [("task", "version", "metric", "value", "stderr", "docs")]
+        for key, tr in self.tasks.items():
+            for name, value in tr.metrics.items():
+                if name.endswith("_stderr"):
+                    continue
+                err = tr.metrics.get(f"{name}_stderr", math.nan)
+                rows.append((key, str(tr.version), name, f"{value:.4f}", f"{err:.4f}", str(tr.num_docs)))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        return "\n".join(lines)
+
+
+@dataclass
+class _PreparedTask:
+    spec: TaskSpec
+    task: Task
+    docs: list[Doc]
+    requests: list[Request]
+
+
+class Evaluator:
+    """Scores a backend's model on tasks. Construction does all the one-time work."""
+
+    def __init__(self, backend: Backend, tasks: list[tuple[TaskSpec, Task]], config: EvalConfig = EvalConfig()):
+        start = time.perf_counter()
+        self.backend, self.config = backend, config
+        self.engine = Engine(backend, config.batching, progress=config.progress)
+        self.prepared: list[_PreparedTask] = []
+        by_type: dict[RequestType, list[Request]] = defaultdict(list)
+        for spec, task in tasks:
+            docs, requests = build_requests(task, spec.num_fewshot, seed=config.seed, max_samples=config.max_samples)
+            self.prepared.append(_PreparedTask(spec, task, docs, requests))
+            for r in requests:
+                by_type[r.request_type].append(r)
+        self.datasets = {t: self._prepare(t, reqs) for t, reqs in by_type.items()}
+        self.build_seconds = time.perf_counter() - start
+
+    def _prepare(self, rtype: RequestType, requests: list[Request]):
+        match rtype:
+            case RequestType.LOGLIKELIHOOD:
+                return self.engine.prepare_loglikelihood(requests)
+            case RequestType.LOGLIKELIHOOD_SINGLE_TOKEN:
+                return self.engine.prepare_single_token(requests)
+            case RequestType.LOGLIKELIHOOD_ROLLING:
+                return self.engine.prepare_rolling(requests)
+            case RequestType.GREEDY_UNTIL:
+                return self.engine.prepare_greedy(requests)
+        raise ValueError(f"request type {rtype.value} is not supported by nano_eval")
+
+    def run_requests(self) -> tuple[dict, dict[str, float]]:
+        """Raw results of every request, keyed by request key, plus seconds spent per request type."""
+        results, timings = {}, {}
+        for rtype, dataset in self.datasets.items():
+            start = time.perf_counter()
+            if rtype == RequestType.GREEDY_UNTIL:
+                results.update(self.engine.run_greedy(dataset))
+            else:
+                results.update(self.engine.run_loglikelihood(dataset, desc=rtype.value))
+            timings[f"{rtype.value}_s"] = time.perf_counter() - start
+        return results, timings
+
+    def evaluate(self, step: int | None = None) -> EvalResults:
+        start = time.perf_counter()
+        raw, timings = self.run_requests()
+        tasks = {p.spec.key: self._score_task(p, raw) for p in self.prepared}
+        timings.update(build_s=self.build_seconds, evaluate_s=time.perf_counter() - start)
+        return EvalResults(tasks=tasks, timings=timings)
+
+    def _score_task(self, prepared: _PreparedTask, raw: dict) -> TaskResult:
+        by_doc: dict[int, list[Request]] = defaultdict(list)
+        for r in prepared.requests:
+            by_doc[r.sample_index].append(r)
+        metrics = prepared.task.metrics
+        values: dict[str, list] = {m.name: [] for m in metrics}
+        details, truncated = [], 0
+        for i, doc in enumerate(prepared.docs):
+            response = assemble_response(doc, by_doc[i], raw)
+            truncated += response.truncated_tokens_count > 0
+            sample = {m.name: m.compute(doc, response) for m in metrics}
+            for name, v in sample.items():
+                values[name].append(v)
+            details.append(_detail_row(i, doc, by_doc[i], response, sample))
+        scores: dict[str, float] = {}
+        for m in metrics:
+            scores[m.name] = m.aggregate(values[m.name])
+            scores[f"{m.name}_stderr"] = m.stderr(values[m.name])
+        return TaskResult(
+            key=prepared.spec.key,
+            version=prepared.task.version,
+            metrics=scores,
+            num_docs=len(prepared.docs),
+            skipped_docs=prepared.task.num_skipped,
+            truncated_requests=truncated,
+            details=details,
+        )
+
+
+def assemble_response(doc: Doc, requests: list[Request], raw: dict) -> ModelResponse:
+    """Fold the results of one document's requests into its ModelResponse (request index scheme: see Task)."""
+    response = ModelResponse()
+    first = requests[0]
+    response.input = first.context
+    response.input_tokens = list(getattr(first, "tokenized_context", None) or [])
+    match first.request_type:
+        case RequestType.LOGLIKELIHOOD:
+            n = len(doc.choices)
+            results = [raw[r.key] for r in sorted(requests, key=lambda r: r.request_index)]
+            response.logprobs = [res.logprob for res in results[:n]]
+            response.argmax_logits_eq_gold = [res.is_greedy for res in results[:n]]
+            response.continuation_token_counts = [res.num_tokens for res in results[:n]]
+            if len(results) > n:
+                response.unconditioned_logprobs = [res.logprob for res in results[n:]]
+            response.truncated_tokens_count = max(res.truncated for res in results)
+        case RequestType.LOGLIKELIHOOD_SINGLE_TOKEN:
+            results = raw[first.key]
+            response.logprobs = [res.logprob for res in results]
+            response.argmax_logits_eq_gold = [res.is_greedy for res in results]
+            response.continuation_token_counts = [1] * len(results)
+            response.truncated_tokens_count = results[0].truncated
+        case RequestType.LOGLIKELIHOOD_ROLLING:
+            windows = [v for (k, _), v in _windows_of(first.key, raw)]
+            response.logprobs = [sum(w.logprob for w in windows)]
+            response.continuation_token_counts = [sum(w.num_tokens for w in windows)]
+        case RequestType.GREEDY_UNTIL:
+            gen: GenerationResult = raw[first.key]
+            samples = max(1, getattr(first, "num_samples", 1))  # greedy decoding: every sample is the same text
+            response.text = [gen.text] * samples
+            response.output_tokens = [gen.tokens] * samples
+            response.input_tokens = gen.input_tokens
+            response.truncated_tokens_count = gen.truncated
+            response.post_process()
+    return response
+
+
+def _windows_of(key: tuple, raw: dict) -> list:
+    windows, w = [], 0
+    while (key, w) in raw:
+        windows.append(((key, w), raw[(key, w)]))
+        w += 1
+    return windows
+
+
+def _detail_row(index: int, doc: Doc, requests: list[Request], response: ModelResponse, sample: dict) -> dict:
+    row = {
+        "doc_index": index,
+        "context": requests[0].context,
+        "choices": doc.choices,
+        "gold_index": doc.gold_index,
+        "logprobs": response.logprobs,
+        "argmax_logits_eq_gold": response.argmax_logits_eq_gold,
+        "truncated_tokens": response.truncated_tokens_count,
+        "metrics": {k: (list(v) if isinstance(v, tuple) else v) for k, v in sample.items()},
+    }
+    if response.text:
+        row["predictions"] = response.final_text
+    return row

@@ -1,0 +1,169 @@
+"""Evaluate a checkpoint: `torchrun --nproc_per_node=N nano_eval/run.py --checkpoint DIR --tasks SPECS --output-dir OUT`.
+
+`python nano_eval/run.py --demo` builds a toy model in seconds and scores it on the built-in demo suite.
+Files are written by global rank 0 only, at the end, atomically: a failed run leaves no partial results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from nano_eval import __version__
+from nano_eval.engine import BatchingConfig
+from nano_eval.errors import NanoEvalError
+from nano_eval.evaluator import EvalConfig, EvalResults, Evaluator
+from nano_eval.parallel import ParallelLayout
+from nano_eval.tracking.files import SCHEMA_VERSION, details_file_name, write_json, write_jsonl
+
+DEMO_TASKS = "demo|arithmetic|0,demo|arithmetic|3,demo|arithmetic_gen|3,demo|arithmetic_ppl|0"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="nano_eval", description=__doc__.splitlines()[0])
+    p.add_argument("--checkpoint", help="transformers model folder (config.json + safetensors) or Hub id")
+    p.add_argument("--tasks", help="comma-separated specs suite|task|num_fewshot, or a file with one per line")
+    p.add_argument("--output-dir", default="nano_eval_results", help="where results.json and details/ go")
+    p.add_argument("--max-samples", type=int, default=None, help="evaluate the first K documents of each task")
+    p.add_argument("--custom-tasks", default=None, help="Python file defining TASKS_TABLE = [TaskConfig(...)]")
+    p.add_argument("--data-dir", default=None, help="offline data mirror: <dir>/<hf_repo>/<subset>/<split>")
+    p.add_argument("--seed", type=int, default=0, help="few-shot sampling seed")
+    p.add_argument("--batch-tokens", type=int, default=BatchingConfig.max_batch_tokens, help="padded tokens per forward")
+    p.add_argument("--max-batch-size", type=int, default=BatchingConfig.max_batch_size)
+    p.add_argument("--max-length", type=int, default=None, help="override the model's context length")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--trust-remote-code", action="store_true", help="allow the checkpoint's own Python code to run")
+    p.add_argument("--no-details", action="store_true", help="skip the per-sample details files")
+    p.add_argument("--list-tasks", action="store_true", help="print the available tasks and exit")
+    p.add_argument("--demo", action="store_true", help="build a toy model and score it on the demo suite")
+    return p
+
+
+def init_distributed(device: str) -> None:
+    """Join the torchrun process group if launched by torchrun (gloo on CPU, nccl on GPU)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        if device.startswith("cuda"):
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+
+
+def checkpoint_identity(path: str) -> dict:
+    """A cheap fingerprint of a checkpoint folder: file names, sizes and the first MiB of each weight file."""
+    p = Path(path)
+    if not p.is_dir():
+        return {"path": path}
+    digest = hashlib.sha256()
+    for f in sorted(x for x in p.iterdir() if x.is_file()):
+        digest.update(f"{f.name}:{f.stat().st_size}".encode())
+        if f.suffix in (".safetensors", ".bin", ".json"):
+            with f.open("rb") as fh:
+                digest.update(fh.read(1 << 20))
+    return {"path": str(p.resolve()), "fingerprint": digest.hexdigest()[:16]}
+
+
+def results_document(args, results: EvalResults, layout: ParallelLayout, task_versions: dict) -> dict:
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "nano_eval_version": __version__,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "checkpoint": checkpoint_identity(args.checkpoint),
+        "layout": layout.describe(),
+        "config": {
+            "tasks": args.tasks,
+            "max_samples": args.max_samples,
+            "seed": args.seed,
+            "batch_tokens": args.batch_tokens,
+            "max_batch_size": args.max_batch_size,
+            "dtype": args.dtype,
+            "max_length": args.max_length,
+        },
+        "task_versions": task_versions,
+        "results": {k: tr.metrics for k, tr in results.tasks.items()},
+        "num_docs": {k: tr.num_docs for k, tr in results.tasks.items()},
+        "skipped_docs": {k: tr.skipped_docs for k, tr in results.tasks.items()},
+        "truncated_requests": {k: tr.truncated_requests for k, tr in results.tasks.items()},
+        "timings": results.timings,
+    }
+
+
+def write_outputs(out_dir: Path, document: dict, results: EvalResults, details: bool) -> None:
+    """Details first, results.json last: results.json present means the run finished."""
+    if details:
+        for key, tr in results.tasks.items():
+            write_jsonl(out_dir / "details" / details_file_name(key), tr.details)
+    write_json(out_dir / "results.json", document)
+
+
+def prepare_demo(args) -> None:
+    """Fill in the demo's checkpoint (a toy Llama trained for a few seconds) and tasks."""
+    from nano_eval.toy import build_toy_checkpoint
+
+    ckpt = Path(args.output_dir) / "toy_checkpoint"
+    if not (ckpt / "config.json").exists():
+        build_toy_checkpoint(ckpt, train_steps=150)
+    args.checkpoint, args.tasks = args.checkpoint or str(ckpt), args.tasks or DEMO_TASKS
+
+
+def evaluate(args) -> EvalResults:
+    from nano_eval.models.transformers_model import TransformersModel
+    from nano_eval.tasks import Registry, load_datasets
+
+    if not args.checkpoint or not args.tasks:
+        raise NanoEvalError("both --checkpoint and --tasks are needed (or --demo). Fix: see `nano_eval/run.py -h`.")
+    registry = Registry(custom_tasks=args.custom_tasks)
+    specs = registry.parse_specs(args.tasks)
+    tasks = registry.get_task_dict(specs, data_dir=args.data_dir)
+    load_datasets(tasks, processes=min(8, len(tasks)))
+    backend = TransformersModel.from_pretrained(
+        args.checkpoint, device=args.device, dtype=args.dtype, max_length=args.max_length,
+        trust_remote_code=args.trust_remote_code,
+    )
+    batching = BatchingConfig(max_batch_tokens=args.batch_tokens, max_batch_size=args.max_batch_size)
+    config = EvalConfig(max_samples=args.max_samples, seed=args.seed, batching=batching)
+    evaluator = Evaluator(backend, [(s, tasks[s.full_name]) for s in specs], config)
+    results = evaluator.evaluate()
+    if backend.layout.is_main:
+        versions = {s.key: tasks[s.full_name].version for s in specs}
+        write_outputs(Path(args.output_dir), results_document(args, results, backend.layout, versions), results,
+                      details=not args.no_details)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        if args.list_tasks:
+            from nano_eval.tasks import Registry
+
+            Registry(custom_tasks=args.custom_tasks).print_tasks()
+            return 0
+        init_distributed(args.device)
+        if args.demo:
+            prepare_demo(args)
+        start = time.perf_counter()
+        results = evaluate(args)
+        if rank == 0:
+            print(results.table())
+            print(f"\nwrote {Path(args.output_dir) / 'results.json'} in {time.perf_counter() - start:.1f}s")
+        return 0
+    except NanoEvalError as e:
+        prefix = f"[rank {rank}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+        print(f"nano_eval: error: {prefix}{e}", file=sys.stderr)
+        return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

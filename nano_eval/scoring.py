@@ -1,0 +1,65 @@
+"""Vocab-parallel scoring: log-probs, greedy flags and argmax tokens from vocab-sharded logits.
+
+Under tensor parallelism each TP rank holds logits for its slice of the vocabulary, `[N, V/tp]`. We never gather
+the full vocabulary: the log-sum-exp, the target logit and the argmax are each reduced over the TP group as one
+scalar per scored position. All arithmetic is fp32. With tp=1 the same code runs without collectives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from nano_eval.parallel import all_reduce
+
+# Larger than any vocabulary id: the "no candidate" value when ranks agree on the argmax with a MIN reduction.
+_NO_TOKEN = torch.iinfo(torch.int64).max
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """This rank's slice [start, start + size) of the (padded) vocabulary, and the TP group that holds the rest."""
+
+    start: int
+    size: int
+    group: object = None
+    group_size: int = 1
+
+    @classmethod
+    def of(cls, local_vocab: int, tp_rank: int, tp_group, tp_size: int) -> VocabShard:
+        return cls(start=tp_rank * local_vocab, size=local_vocab, group=tp_group, group_size=tp_size)
+
+
+def _log_normaliser(logits: torch.Tensor, shard: VocabShard) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global max [N] and log-sum-exp [N] of fp32 logits [N, V/tp] over the whole vocabulary."""
+    global_max = all_reduce(logits.max(dim=-1).values, dist.ReduceOp.MAX, shard.group, shard.group_size)
+    sum_exp = (logits - global_max.unsqueeze(-1)).exp().sum(dim=-1)
+    sum_exp = all_reduce(sum_exp, dist.ReduceOp.SUM, shard.group, shard.group_size)
+    return global_max, global_max + sum_exp.log()
+
+
+def argmax_tokens(logits: torch.Tensor, shard: VocabShard) -> torch.Tensor:
+    """Global argmax token id [N] of logits [N, V/tp]; ties go to the smallest id, as torch.argmax does."""
+    logits = logits.float()
+    local_max, local_arg = logits.max(dim=-1)
+    global_max = all_reduce(local_max.clone(), dist.ReduceOp.MAX, shard.group, shard.group_size)
+    candidate = torch.where(local_max == global_max, local_arg + shard.start, torch.full_like(local_arg, _NO_TOKEN))
+    return all_reduce(candidate, dist.ReduceOp.MIN, shard.group, shard.group_size)
+
+
+def target_logprobs(logits: torch.Tensor, targets: torch.Tensor, shard: VocabShard) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob [N] of each target id and whether it is the greedy (argmax) token [N].
+
+    logits: [N, V/tp] at the scored positions only, any dtype (upcast here); targets: [N] global vocabulary ids.
+    Every rank of the TP group receives the same results.
+    """
+    logits = logits.float()
+    _, log_z = _log_normaliser(logits, shard)
+    local_ids = targets - shard.start
+    in_shard = (local_ids >= 0) & (local_ids < shard.size)
+    picked = logits.gather(-1, local_ids.clamp(0, shard.size - 1).unsqueeze(-1)).squeeze(-1)
+    target_logit = all_reduce(torch.where(in_shard, picked, 0.0), dist.ReduceOp.SUM, shard.group, shard.group_size)
+    is_greedy = argmax_tokens(logits, shard) == targets
+    return target_logit - log_z, is_greedy

