@@ -1,0 +1,1 @@
+"""Model backends. Each returns ModelResponse-ready results through the shared scoring core."""

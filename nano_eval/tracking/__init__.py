@@ -1,0 +1,1 @@
+"""Result files, W&B and reports."""
