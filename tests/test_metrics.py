@@ -50,9 +50,10 @@ def test_acc_norm_flips_acc_because_of_length():
     assert score("acc_norm", doc, resp) == 1.0
 
 
-def test_acc_norm_counts_leading_space():
-    # " cat" is 4 characters like "dogs": -1.0 vs -1.1 picks choice 0. Stripping the space would pick choice 1.
-    doc, resp = mc([" cat", "dogs"], 0, [-4.0, -4.4])
+def test_acc_norm_does_not_count_the_leading_space():
+    # Without its separator space " cat" is 3 characters: -1.33 per char vs "dogs" -1.1 per char picks choice 1.
+    # Counting the space (4 characters, -1.0) would pick choice 0; lm-eval does not count it.
+    doc, resp = mc([" cat", "dogs"], 1, [-4.0, -4.4])
     assert score("acc_norm", doc, resp) == 1.0
 
 
@@ -62,7 +63,8 @@ def test_acc_norm_matches_lm_eval_formula():
     for _ in range(50):
         lls = rng.normal(-5, 2, size=4).tolist()
         gold = int(rng.integers(4))
-        expected = 1.0 if np.argmax(np.array(lls) / np.array([float(len(c)) for c in choices])) == gold else 0.0
+        lengths = [float(len(c[1:])) for c in choices]  # lm-eval: choice text without the target_delimiter space
+        expected = 1.0 if np.argmax(np.array(lls) / np.array(lengths)) == gold else 0.0
         assert score("acc_norm", *mc(choices, gold, lls)) == expected
 
 

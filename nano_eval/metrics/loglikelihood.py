@@ -50,8 +50,9 @@ def acc(doc: Doc, response: ModelResponse) -> float:
 
 
 def acc_norm(doc: Doc, response: ModelResponse) -> float:
-    """Log-prob per character of the choice string as given (leading space included): lm-eval's acc_norm."""
-    lengths = np.asarray([float(len(c)) for c in doc.choices])
+    """Log-prob per character of the choice without its one leading space: lm-eval divides by the length of the
+    choice text, and the space joining context and choice is its target_delimiter, not part of the choice."""
+    lengths = np.asarray([float(len(c.removeprefix(" "))) for c in doc.choices])
     return _hit(doc, _lls(response) / lengths)
 
 
