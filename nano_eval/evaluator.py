@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import math
+import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -111,6 +112,8 @@ class Evaluator:
         start = time.perf_counter()
         raw, timings = self.run_requests()
         tasks = {p.spec.key: self._score_task(p, raw) for p in self.prepared}
+        if self.backend.layout.is_main:
+            warn_truncation(tasks, self.backend.max_length)
         timings.update(build_s=self.build_seconds, evaluate_s=time.perf_counter() - start)
         return EvalResults(tasks=tasks, timings=timings)
 
@@ -141,6 +144,18 @@ class Evaluator:
             truncated_requests=truncated,
             details=details,
         )
+
+
+def warn_truncation(tasks: dict[str, TaskResult], max_length: int) -> None:
+    """Prompts cut to fit the model change scores silently in other tools: say so, once per task."""
+    for key, tr in tasks.items():
+        if tr.truncated_requests:
+            print(
+                f"nano_eval: warning: task {key}: {tr.truncated_requests} of {tr.num_docs} documents had their context "
+                f"cut on the left to fit the model's {max_length} tokens. Fix: fewer few-shot examples, or a longer "
+                "--max-length if the model supports it.",
+                file=sys.stderr,
+            )
 
 
 def assemble_response(doc: Doc, requests: list[Request], raw: dict) -> ModelResponse:

@@ -112,3 +112,13 @@ def test_missing_weights_and_missing_data_are_clear(tmp_path, toy_checkpoint, ca
     err = capsys.readouterr().err
     assert code == 2 and "nope.jsonl" in err and "gone" in err
     assert not (tmp_path / "o").exists()
+
+
+def test_prompt_longer_than_model_is_cut_counted_and_reported(tmp_path, toy_checkpoint, capsys):
+    out = tmp_path / "out"
+    code = main(["--checkpoint", str(toy_checkpoint), "--tasks", "demo|arithmetic|3", "--output-dir", str(out),
+                 "--max-samples", "4", "--max-length", "24"])
+    assert code == 0
+    err = capsys.readouterr().err
+    assert "demo|arithmetic|3: 4 of 4 documents had their context cut" in err and "--max-length" in err
+    assert json.loads((out / "results.json").read_text())["truncated_requests"]["demo|arithmetic|3"] == 4
