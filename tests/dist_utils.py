@@ -2,6 +2,8 @@
 
 import os
 import pickle
+import queue as queue_module
+import time
 import socket
 import traceback
 
@@ -35,7 +37,18 @@ def run_distributed(fn, world: int, *args, timeout: float = 120) -> list:
     procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, queue)) for r in range(world)]
     for p in procs:
         p.start()
-    results = dict(queue.get(timeout=timeout) for _ in range(world))
+    results = {}
+    deadline = time.monotonic() + timeout
+    while len(results) < world:
+        try:
+            rank, out = queue.get(timeout=1.0)
+            results[rank] = out
+        except queue_module.Empty:
+            dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in results]
+            if dead or time.monotonic() > deadline:
+                for p in procs:
+                    p.kill()
+                raise RuntimeError(f"ranks {dead or 'all'} died or timed out after {timeout}s without a result")
     for p in procs:
         p.join(timeout=timeout)
     errors = [f"rank {r}:\n{out}" for r, (status, out) in sorted(results.items()) if status == "error"]

@@ -1,0 +1,1 @@
+"""Version workarounds for the model frameworks, kept in one place."""

@@ -1,0 +1,72 @@
+"""Everything nano_eval needs to know about nanotron's versions, in one module.
+
+- nanotron 0.4 (PyPI) cannot be imported as is: `nanotron.logging` imports `nanotron.config.config`, whose import
+  chain reaches `nanotron.parallel.pipeline_parallel.engine`, which imports `nanotron.logging` again (upstream
+  issues 191 and 235). We import `nanotron.logging` against a placeholder config module (it only uses
+  `LoggingArgs` in a type hint), then import the real config.
+- `ParallelContext.set_device` calls CUDA; `CPUParallelContext` skips it so the parallel modules run on gloo.
+- Llama (0.4 and main) takes `input_ids, input_mask`; Qwen2 (main) takes `input_ids, position_ids`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import types
+
+from nano_eval.errors import NanoEvalError
+
+_READY = False
+
+
+def import_nanotron():
+    """Import nanotron once, working around the 0.4 import cycle; returns the `nanotron` module."""
+    global _READY
+    try:
+        import nanotron
+    except ImportError as e:
+        raise NanoEvalError("nanotron is not installed. Fix: pip install 'nano_eval[nanotron]' (nanotron==0.4).") from e
+    if _READY or "nanotron.logging" in sys.modules:
+        _READY = True
+        return nanotron
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # nanotron asserts it for TP comm/compute overlap
+    placeholder_pkg = types.ModuleType("nanotron.config")
+    placeholder_pkg.__path__ = []  # a package, so `nanotron.config.config` resolves to the placeholder below
+    placeholder = types.ModuleType("nanotron.config.config")
+    placeholder.LoggingArgs = type("LoggingArgs", (), {})
+    saved = {name: sys.modules.get(name) for name in ("nanotron.config", "nanotron.config.config")}
+    sys.modules.update({"nanotron.config": placeholder_pkg, "nanotron.config.config": placeholder})
+    try:
+        import nanotron.logging  # noqa: F401
+    finally:
+        for name, module in saved.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
+    import nanotron.config  # noqa: F401  (the real one, now that nanotron.logging is complete)
+
+    _READY = True
+    return nanotron
+
+
+def cpu_parallel_context(tp: int, pp: int, dp: int):
+    """A nanotron ParallelContext for CPU/gloo: torch.distributed must already be initialised."""
+    import_nanotron()
+    from nanotron.parallel import ParallelContext
+
+    class CPUParallelContext(ParallelContext):
+        def set_device(self):  # ParallelContext pins a CUDA device; there is none here
+            pass
+
+    return CPUParallelContext(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp)
+
+
+def forward_kwargs(model, input_ids, input_mask, position_ids) -> dict:
+    """The keyword arguments the model's `forward` takes: Llama wants input_mask, Qwen2 (nanotron main) position_ids."""
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    if "position_ids" in params and "input_mask" not in params:
+        return {"input_ids": input_ids, "position_ids": position_ids}
+    return {"input_ids": input_ids, "input_mask": input_mask}
