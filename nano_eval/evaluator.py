@@ -12,7 +12,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from nano_eval.engine import BatchingConfig, Engine, GenerationResult
-from nano_eval.models.base import Backend
+from nano_eval.models.base import Backend, evaluation_mode
 from nano_eval.models.response import ModelResponse
 from nano_eval.requests import Doc, Request, RequestType
 from nano_eval.tasks import Task, TaskSpec, build_requests
@@ -110,7 +110,8 @@ class Evaluator:
 
     def evaluate(self, step: int | None = None) -> EvalResults:
         start = time.perf_counter()
-        raw, timings = self.run_requests()
+        with evaluation_mode(getattr(self.backend, "module", None)):
+            raw, timings = self.run_requests()
         tasks = {p.spec.key: self._score_task(p, raw) for p in self.prepared}
         if self.backend.layout.is_main:
             warn_truncation(tasks, self.backend.max_length)

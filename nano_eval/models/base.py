@@ -6,9 +6,12 @@ vocab-sharded logits come out. Everything else (tokenising, batching, scoring, g
 
 from __future__ import annotations
 
+import contextlib
+import random
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from nano_eval.parallel import ParallelLayout
@@ -41,6 +44,7 @@ class Backend(Protocol):
     layout: ParallelLayout
     tokenizer: Any
     max_length: int  # longest input the model accepts
+    module: torch.nn.Module  # the model object; put in eval mode during scoring and restored afterwards
 
     def forward(self, batch: Batch) -> torch.Tensor | None:
         """Logits [N, V/tp] at (batch.rows, batch.cols), any float dtype, on the output pipeline stage; None elsewhere.
@@ -48,3 +52,35 @@ class Backend(Protocol):
         Called by every rank of the model replica with the same batch, under torch.no_grad and eval mode.
         """
         ...
+
+
+@contextlib.contextmanager
+def evaluation_mode(module: torch.nn.Module | None):
+    """Score a live training model without changing it: eval mode and no_grad inside; afterwards every submodule's
+    train/eval flag and every RNG state (python, numpy, torch CPU and CUDA) are back as they were."""
+    flags = [(m, m.training) for m in module.modules()] if module is not None else []
+    rng = _rng_states()
+    try:
+        if module is not None:
+            module.eval()
+        with torch.no_grad():
+            yield
+    finally:
+        for m, training in flags:
+            m.training = training
+        _restore_rng_states(rng)
+
+
+def _rng_states() -> dict:
+    states = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def _restore_rng_states(states: dict) -> None:
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    torch.set_rng_state(states["torch"])
+    if "cuda" in states:
+        torch.cuda.set_rng_state_all(states["cuda"])

@@ -22,7 +22,8 @@ class TransformersModel:
     """A causal LM from transformers behind the backend protocol (see nano_eval.models.base.Backend)."""
 
     def __init__(self, model, tokenizer, *, layout: ParallelLayout | None = None, max_length: int | None = None):
-        self.model, self.tokenizer = model.eval(), tokenizer
+        self.model = self.module = model
+        self.tokenizer = tokenizer
         self.layout = layout or ParallelLayout.data_parallel()
         self.max_length = max_length or _model_max_length(model, tokenizer)
         self.device = next(model.parameters()).device

@@ -1,0 +1,37 @@
+"""Scoring a live model leaves it exactly as it was: train/eval flags, RNG streams, gradients."""
+
+import random
+
+import numpy as np
+import torch
+
+from nano_eval.evaluator import EvalConfig, Evaluator
+from nano_eval.models.transformers_model import TransformersModel
+from nano_eval.tasks import Registry
+
+
+def test_evaluate_restores_training_state_and_rng(toy_checkpoint):
+    backend = TransformersModel.from_pretrained(str(toy_checkpoint))
+    model = backend.model
+    model.train()
+    model.model.layers[0].eval()  # a submodule the trainer froze: must stay in eval mode
+    next(model.parameters()).grad = grad = torch.ones_like(next(model.parameters()))
+    registry = Registry()
+    specs = registry.parse_specs("demo|arithmetic|0")
+    tasks = registry.get_task_dict(specs)
+    evaluator = Evaluator(backend, [(s, tasks[s.full_name]) for s in specs], EvalConfig(max_samples=4, progress=False))
+    torch.manual_seed(7), random.seed(7), np.random.seed(7)
+    flags_before = [m.training for m in model.modules()]
+
+    seen_training = []
+    hook = model.model.register_forward_pre_hook(lambda m, args: seen_training.append(m.training))
+    evaluator.evaluate(step=1)
+    hook.remove()
+
+    assert seen_training and not any(seen_training)  # scored in eval mode
+    assert [m.training for m in model.modules()] == flags_before
+    assert next(model.parameters()).grad is grad
+    expected = (torch.Generator().manual_seed(7), random.Random(7), np.random.RandomState(7))
+    assert torch.rand(3).tolist() == torch.rand(3, generator=expected[0]).tolist()
+    assert random.random() == expected[1].random()
+    assert np.random.rand() == expected[2].rand()
