@@ -11,7 +11,8 @@ import hashlib
 import os
 import sys
 import time
-from datetime import datetime, timezone
+import traceback
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import torch
@@ -43,17 +44,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--trust-remote-code", action="store_true", help="allow the checkpoint's own Python code to run")
     p.add_argument("--no-details", action="store_true", help="skip the per-sample details files")
+    p.add_argument("--dist-timeout", type=float, default=600, help="seconds a collective may wait before failing")
     p.add_argument("--list-tasks", action="store_true", help="print the available tasks and exit")
     p.add_argument("--demo", action="store_true", help="build a toy model and score it on the demo suite")
     return p
 
 
-def init_distributed(device: str) -> None:
-    """Join the torchrun process group if launched by torchrun (gloo on CPU, nccl on GPU)."""
+def init_distributed(device: str, timeout_s: float) -> None:
+    """Join the torchrun process group if launched by torchrun (gloo on CPU, nccl on GPU).
+
+    The timeout bounds how long a rank waits in a collective for a peer that died (launchers other than torchrun
+    do not kill the surviving ranks for us)."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
         if device.startswith("cuda"):
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
 
 
 def checkpoint_identity(path: str) -> dict:
@@ -108,8 +114,10 @@ def prepare_demo(args) -> None:
     from nano_eval.toy import build_toy_checkpoint
 
     ckpt = Path(args.output_dir) / "toy_checkpoint"
-    if not (ckpt / "config.json").exists():
+    if int(os.environ.get("RANK", "0")) == 0 and not (ckpt / "config.json").exists():
         build_toy_checkpoint(ckpt, train_steps=150)
+    if dist.is_initialized():
+        dist.barrier()  # the other ranks load what rank 0 built
     args.checkpoint, args.tasks = args.checkpoint or str(ckpt), args.tasks or DEMO_TASKS
 
 
@@ -141,13 +149,15 @@ def evaluate(args) -> EvalResults:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
+    prefix = f"[rank {rank}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+    ok = False
     try:
         if args.list_tasks:
             from nano_eval.tasks import Registry
 
             Registry(custom_tasks=args.custom_tasks).print_tasks()
             return 0
-        init_distributed(args.device)
+        init_distributed(args.device, args.dist_timeout)
         if args.demo:
             prepare_demo(args)
         start = time.perf_counter()
@@ -155,13 +165,18 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             print(results.table())
             print(f"\nwrote {Path(args.output_dir) / 'results.json'} in {time.perf_counter() - start:.1f}s")
+        ok = True
         return 0
     except NanoEvalError as e:
-        prefix = f"[rank {rank}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
         print(f"nano_eval: error: {prefix}{e}", file=sys.stderr)
         return 2
+    except Exception as e:
+        # Exit at once: torchrun then stops the other ranks instead of leaving them waiting in a collective.
+        traceback.print_exc()
+        print(f"nano_eval: error: {prefix}evaluation failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
     finally:
-        if dist.is_initialized():
+        if ok and dist.is_initialized():
             dist.destroy_process_group()
 
 

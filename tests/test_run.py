@@ -122,3 +122,33 @@ def test_prompt_longer_than_model_is_cut_counted_and_reported(tmp_path, toy_chec
     err = capsys.readouterr().err
     assert "demo|arithmetic|3: 4 of 4 documents had their context cut" in err and "--max-length" in err
     assert json.loads((out / "results.json").read_text())["truncated_requests"]["demo|arithmetic|3"] == 4
+
+
+FAILING_RANK_TASKS = """
+import os
+from nano_eval.models.transformers_model import TransformersModel
+from nano_eval.tasks.demo_tasks import DEMO_TASKS
+
+TASKS_TABLE = []
+if os.environ.get("RANK") == "1":  # test-only fault injection: rank 1's forward breaks mid-evaluation
+    original = TransformersModel.forward
+    calls = []
+    def broken_forward(self, batch):
+        calls.append(1)
+        if len(calls) > 2:
+            raise RuntimeError("injected failure on the third batch")
+        return original(self, batch)
+    TransformersModel.forward = broken_forward
+"""
+
+
+def test_a_rank_that_raises_stops_every_rank_promptly(tmp_path, toy_checkpoint):
+    task_file = tmp_path / "failing.py"
+    task_file.write_text(FAILING_RANK_TASKS)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+           str(REPO / "nano_eval" / "run.py"), "--checkpoint", str(toy_checkpoint), "--tasks", TASKS,
+           "--custom-tasks", str(task_file), "--output-dir", str(tmp_path / "out"), "--batch-tokens", "64"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode != 0
+    assert "nano_eval: error: [rank 1] evaluation failed: RuntimeError: injected failure on the third batch" in proc.stderr
+    assert not (tmp_path / "out" / "results.json").exists()
