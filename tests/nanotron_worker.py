@@ -7,18 +7,24 @@ VOCAB = 544  # >= the toy tokenizer's 537 tokens, divisible by every TP degree t
 
 def evaluate_layout(rank, world, tp, pp, dp, tokenizer_dir, tasks, batch_tokens=256, max_samples=16):
     """Build the toy nanotron model in a tp x pp x dp layout and evaluate `tasks`; returns a summary per task."""
-    from transformers import AutoTokenizer
-
     from nano_eval.compat.nanotron import cpu_parallel_context
-    from nano_eval.engine import BatchingConfig
-    from nano_eval.evaluator import EvalConfig, Evaluator
-    from nano_eval.models.nanotron_model import NanotronModel
-    from nano_eval.tasks import Registry
     from nano_eval.toy_nanotron import ToyConfig, build_toy_nanotron_model
 
     pc = cpu_parallel_context(tp=tp, pp=pp, dp=dp)
     cfg = ToyConfig(vocab_size=VOCAB)
     model = build_toy_nanotron_model(pc, cfg)
+    return evaluate_model(model, pc, cfg, tokenizer_dir, tasks, batch_tokens=batch_tokens, max_samples=max_samples)
+
+
+def evaluate_model(model, pc, cfg, tokenizer_dir, tasks, batch_tokens=256, max_samples=16):
+    """Evaluate `tasks` on a built nanotron `model` with the NanotronModel backend; returns a summary per task."""
+    from transformers import AutoTokenizer
+
+    from nano_eval.engine import BatchingConfig
+    from nano_eval.evaluator import EvalConfig, Evaluator
+    from nano_eval.models.nanotron_model import NanotronModel
+    from nano_eval.tasks import Registry
+
     backend = NanotronModel(model, pc, AutoTokenizer.from_pretrained(tokenizer_dir), max_length=cfg.max_position_embeddings)
     registry = Registry()
     specs = registry.parse_specs(tasks)
@@ -33,3 +39,99 @@ def evaluate_layout(rank, world, tp, pp, dp, tokenizer_dir, tasks, batch_tokens=
         }
         for key, tr in results.tasks.items()
     }
+
+
+def peak_scoring_memory_mb(rank, world, tp, vocab, tokenizer_dir):
+    """Rise of this rank's peak resident memory (MiB) while scoring 2048 positions with a `vocab`-sized head."""
+    import resource
+
+    from transformers import AutoTokenizer
+
+    from nano_eval.compat.nanotron import cpu_parallel_context
+    from nano_eval.engine import Engine
+    from nano_eval.models.nanotron_model import NanotronModel
+    from nano_eval.requests import LoglikelihoodRequest
+    from nano_eval.toy_nanotron import ToyConfig, build_toy_nanotron_model
+
+    pc = cpu_parallel_context(tp=tp, pp=1, dp=1)
+    cfg = ToyConfig(vocab_size=vocab, hidden=32, layers=1, max_position_embeddings=256)
+    backend = NanotronModel(build_toy_nanotron_model(pc, cfg), pc, AutoTokenizer.from_pretrained(tokenizer_dir),
+                            max_length=cfg.max_position_embeddings)
+    engine = Engine(backend, progress=False)
+    text = "one two three four five six seven eight nine ten " * 24
+    requests = [LoglikelihoodRequest("t", i, 0, "", choice=text) for i in range(8)]  # every position is scored
+    dataset = engine.prepare_loglikelihood(requests)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    engine.run_loglikelihood(dataset)
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+
+
+def save_and_evaluate_checkpoint(rank, world, tp, pp, dp, ckpt_dir, tokenizer_dir, tasks, save_seed=0, load_seed=1,
+                                 batch_tokens=4096, max_samples=12):
+    """Save the seed-`save_seed` toy model with nanotron's `save_weights` (+ `checkpoint_metadata.json`, as nanotron's
+    trainer writes it), then load it back into a seed-`load_seed` model in the same layout and evaluate that."""
+    import torch.distributed as dist
+
+    from nano_eval.compat.nanotron import cpu_parallel_context, import_nanotron
+    from nano_eval.toy_nanotron import ToyConfig, build_toy_nanotron_model
+
+    import_nanotron()
+    from nanotron.serialize import save_weights
+    from nanotron.serialize.metadata import save_meta
+
+    pc = cpu_parallel_context(tp=tp, pp=pp, dp=dp)
+    cfg = ToyConfig(vocab_size=VOCAB)
+    model = build_toy_nanotron_model(pc, cfg, seed=save_seed)
+    _plain_int_unsharded_shapes(model)
+    save_weights(model, pc, Path(ckpt_dir))
+    save_meta(pc, Path(ckpt_dir), {"last_train_step": 0, "consumed_train_samples": 0})
+    dist.barrier()  # every rank's shards are on disk before anyone reads them
+    return {"loaded": _load_and_evaluate(pc, cfg, ckpt_dir, tokenizer_dir, tasks, load_seed, batch_tokens, max_samples)}
+
+
+def evaluate_checkpoint(rank, world, tp, pp, dp, ckpt_dir, tokenizer_dir, tasks, load_seed=1, reference_seed=None,
+                        batch_tokens=4096, max_samples=12):
+    """Load the checkpoint into a seed-`load_seed` toy model with nanotron's `load_weights` (which reshards TP) and
+    evaluate it. With `reference_seed`, also evaluate the seed-`reference_seed` model built directly and the
+    seed-`load_seed` model before loading (so a load that does nothing is caught)."""
+    from nano_eval.compat.nanotron import cpu_parallel_context
+    from nano_eval.toy_nanotron import ToyConfig, build_toy_nanotron_model
+
+    pc = cpu_parallel_context(tp=tp, pp=pp, dp=dp)
+    cfg = ToyConfig(vocab_size=VOCAB)
+    out = {"loaded": _load_and_evaluate(pc, cfg, ckpt_dir, tokenizer_dir, tasks, load_seed, batch_tokens, max_samples)}
+    if reference_seed is not None:
+        for key, seed in (("reference", reference_seed), ("unloaded", load_seed)):
+            model = build_toy_nanotron_model(pc, cfg, seed=seed)
+            out[key] = evaluate_model(model, pc, cfg, tokenizer_dir, tasks, batch_tokens=batch_tokens,
+                                      max_samples=max_samples)
+    return out
+
+
+def _plain_int_unsharded_shapes(model) -> None:
+    """Make every sharded parameter's `unsharded_shape` plain Python ints before `save_weights`.
+
+    nanotron 0.4 computes the unsharded shape of a column linear with `contiguous_chunks` (the toy qkv, Llama's
+    qkv_proj and gate_up_proj) with `np.cumsum`, and writes `str(tuple(shape))` into each shard's safetensors
+    metadata. Under numpy >= 2 that string is "(np.int64(192), 64)", which nanotron's own `TensorMetadata` parser
+    cannot read back, so `load_weights` fails as soon as it must reshard (a different TP or PP size). With plain ints
+    the files are byte-for-byte what nanotron writes under numpy 1.x.
+    """
+    from nanotron.parallel.parameters import NanotronParameter
+
+    for param in model.parameters():
+        if isinstance(param, NanotronParameter) and param.is_sharded:
+            info = param.get_sharded_info()
+            info.unsharded_shape = tuple(int(d) for d in info.unsharded_shape)
+
+
+def _load_and_evaluate(pc, cfg, ckpt_dir, tokenizer_dir, tasks, seed, batch_tokens, max_samples):
+    from nano_eval.compat.nanotron import import_nanotron
+    from nano_eval.toy_nanotron import build_toy_nanotron_model
+
+    import_nanotron()
+    from nanotron.serialize import load_weights
+
+    model = build_toy_nanotron_model(pc, cfg, seed=seed)
+    load_weights(model, pc, Path(ckpt_dir))
+    return evaluate_model(model, pc, cfg, tokenizer_dir, tasks, batch_tokens=batch_tokens, max_samples=max_samples)

@@ -41,3 +41,18 @@ def test_layout_matches_single_process(reference, toy_checkpoint, tp, pp, dp):
             else:
                 assert b == pytest.approx(a, abs=1e-5)
         assert got[key]["predictions"] == ref["predictions"]
+
+
+def _peak(rank, world, tp, tokenizer_dir):
+    from tests.nanotron_worker import peak_scoring_memory_mb
+
+    return peak_scoring_memory_mb(rank, world, tp, 65536, tokenizer_dir)
+
+
+def test_peak_scoring_memory_follows_vocab_over_tp(toy_checkpoint):
+    """Logits for 8 x 255 positions over a 65536-token vocabulary: about 512 MiB in fp32 at TP1. Each TP rank
+    must hold only its V/tp slice; gathering the full vocabulary would keep the peak at the TP1 level."""
+    tp1 = run_distributed(_peak, 1, 1, str(toy_checkpoint))[0]
+    tp2 = max(run_distributed(_peak, 2, 2, str(toy_checkpoint)))
+    assert tp1 > 400
+    assert tp2 < 0.65 * tp1, f"peak rise per rank: TP1 {tp1:.0f} MiB, TP2 {tp2:.0f} MiB"

@@ -1,0 +1,81 @@
+"""A checkpoint written by nanotron's own `save_weights` at TP2 scores the same at TP1, TP2 and PP2.
+
+nanotron's `load_weights` reshards TP shards on load (merge into the unsharded tensor, then cut this rank's slices).
+Loading goes into a model built with a different seed, so a load that does nothing cannot pass; the reference is
+the seed-0 model built directly at TP1, never saved.
+"""
+
+import pytest
+
+pytest.importorskip("nanotron")
+
+from tests.dist_utils import run_distributed  # noqa: E402
+from tests.nanotron_worker import evaluate_checkpoint, save_and_evaluate_checkpoint  # noqa: E402
+
+TASKS = "demo|arithmetic|0,demo|arithmetic_ppl|0"
+MC, PPL = "demo|arithmetic|0", "demo|arithmetic_ppl|0"
+EXACT = ("acc", "acc_norm", "acc_norm_token", "acc_norm_pmi")
+LAYOUTS = {"tp2": (2, 1, 1), "tp1": (1, 1, 1), "pp2": (1, 2, 1)}
+
+
+def _single(per_rank):
+    assert all(r == per_rank[0] for r in per_rank), "ranks disagree on the results"
+    return per_rank[0]
+
+
+@pytest.fixture(scope="module")
+def ckpt_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("nanotron") / "checkpoint"
+
+
+@pytest.fixture(scope="module")
+def runs(toy_checkpoint, ckpt_dir):
+    """Three spawned worlds: TP2 saves (seed 0) then loads into seed 1; TP1 and PP2 load into seed 1 (TP1 also
+    scores the seed-0 reference and the seed-1 model before loading)."""
+    tok, ckpt = str(toy_checkpoint), str(ckpt_dir)
+    out = {"tp2": _single(run_distributed(save_and_evaluate_checkpoint, 2, *LAYOUTS["tp2"], ckpt, tok, TASKS))}
+    tp1 = _single(run_distributed(evaluate_checkpoint, 1, *LAYOUTS["tp1"], ckpt, tok, TASKS, 1, 0))
+    out["tp1"], out["reference"], out["unloaded"] = tp1["loaded"], tp1["reference"], tp1["unloaded"]
+    out["pp2"] = _single(run_distributed(evaluate_checkpoint, 2, *LAYOUTS["pp2"], ckpt, tok, TASKS))["loaded"]
+    return out
+
+
+def test_checkpoint_is_nanotrons_layout(runs, ckpt_dir):
+    """One safetensors file per TP shard (with its slice metadata), replicated weights written once, and the
+    `checkpoint_metadata.json` nanotron's trainer writes."""
+    from safetensors import safe_open
+
+    assert (ckpt_dir / "checkpoint_metadata.json").is_file()
+    qkv = ckpt_dir / "model" / "layers" / "0" / "pp_block" / "qkv"
+    shards = sorted(p.name for p in qkv.iterdir())
+    assert shards == [f"model_weight_pp-rank-0-of-1_tp-rank-{r}-of-2.safetensors" for r in (0, 1)]
+    with safe_open(qkv / shards[1], framework="pt") as f:
+        assert f.get_tensor("data").shape == (96, 64)  # (3 * hidden) / tp rows
+        assert f.metadata()["unsharded_shape"] == "(192, 64)"
+    norm = ckpt_dir / "model" / "layers" / "0" / "pp_block" / "norm1"
+    assert sorted(p.name for p in norm.iterdir()) == ["model_bias.safetensors", "model_weight.safetensors"]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_loaded_checkpoint_matches_direct_model(runs, layout):
+    ref, got = runs["reference"], runs[layout]
+    assert set(got) == set(ref) == {MC, PPL}
+    for key in ref:
+        for name, value in ref[key]["metrics"].items():
+            if name in EXACT:
+                assert got[key]["metrics"][name] == value, (layout, key, name)
+            else:
+                assert got[key]["metrics"][name] == pytest.approx(value, rel=1e-6), (layout, key, name)
+        for a, b in zip(ref[key]["logprobs"], got[key]["logprobs"], strict=True):
+            if key == PPL:  # a document's total over hundreds of tokens
+                assert b == pytest.approx(a, rel=1e-7), layout
+            else:
+                assert b == pytest.approx(a, abs=1e-5), layout
+
+
+def test_model_before_loading_differs(runs):
+    """Without load_weights, the seed-1 model scores differently: the comparison above can fail."""
+    ref, unloaded = runs["reference"][MC]["logprobs"], runs["unloaded"][MC]["logprobs"]
+    diff = max(abs(x - y) for a, b in zip(ref, unloaded, strict=True) for x, y in zip(a, b, strict=True))
+    assert diff > 1e-2
+    assert runs["unloaded"][PPL]["logprobs"] != pytest.approx(runs["reference"][PPL]["logprobs"], rel=1e-3)
