@@ -43,6 +43,7 @@ class ToyConfig:
     heads: int = 4  # must divide by tp
     layers: int = 4
     max_position_embeddings: int = 128
+    position_ids_input: bool = False  # True: forward(input_ids, position_ids) like nanotron main's Qwen2
 
 
 class Embedding(nn.Module):
@@ -55,6 +56,14 @@ class Embedding(nn.Module):
         ids = input_ids.transpose(0, 1)
         positions = torch.arange(ids.shape[0], device=ids.device)
         return {"hidden_states": self.token(ids) + self.position(positions)[:, None, :]}
+
+
+class EmbeddingWithPositionIds(Embedding):
+    """Qwen2-style entry (nanotron main): positions come in as `position_ids` [B, S] instead of a mask."""
+
+    def forward(self, input_ids, position_ids):  # [B, S] -> hidden [S, B, H]
+        ids, positions = input_ids.transpose(0, 1), position_ids.transpose(0, 1)
+        return {"hidden_states": self.token(ids) + self.position(positions)}
 
 
 class DecoderLayer(nn.Module):
@@ -98,7 +107,8 @@ class ToyNanotronLM(nn.Module):
         tp_pg, pp_pg = parallel_context.tp_pg, parallel_context.pp_pg
         pp = pp_pg.size()
         p2p = P2P(pp_pg, device=device)
-        self.embed = PipelineBlock(p2p, Embedding, dict(cfg=cfg, tp_pg=tp_pg), {"input_ids", "input_mask"}, {"hidden_states"})
+        entry, keys = (EmbeddingWithPositionIds, "position_ids") if cfg.position_ids_input else (Embedding, "input_mask")
+        self.embed = PipelineBlock(p2p, entry, dict(cfg=cfg, tp_pg=tp_pg), {"input_ids", keys}, {"hidden_states"})
         self.layers = nn.ModuleList(
             PipelineBlock(p2p, DecoderLayer, dict(cfg=cfg, tp_pg=tp_pg), {"hidden_states"}, {"hidden_states"})
             for _ in range(cfg.layers)
@@ -112,10 +122,19 @@ class ToyNanotronLM(nn.Module):
 
     def forward(self, input_ids, input_mask):
         """input_ids, input_mask: [B, S] on the first stage (TensorPointer elsewhere) -> logits [S, B, V/tp]."""
-        hidden = self.embed(input_ids=input_ids, input_mask=input_mask)["hidden_states"]
+        return self._run(self.embed(input_ids=input_ids, input_mask=input_mask)["hidden_states"])
+
+    def _run(self, hidden):
         for layer in self.layers:
             hidden = layer(hidden_states=hidden)["hidden_states"]
         return self.head(hidden_states=hidden)["logits"]
+
+
+class ToyQwenStyleLM(ToyNanotronLM):
+    """The same model with nanotron main's Qwen2 calling convention: forward(input_ids, position_ids)."""
+
+    def forward(self, input_ids, position_ids):
+        return self._run(self.embed(input_ids=input_ids, position_ids=position_ids)["hidden_states"])
 
 
 def _seeded_normal(shape, name: str, seed: int) -> torch.Tensor:
@@ -155,7 +174,7 @@ def tie_replicated_parameters(model: nn.Module, parallel_context) -> None:
 
 
 def build_toy_nanotron_model(parallel_context, cfg: ToyConfig = ToyConfig(), seed: int = 0) -> ToyNanotronLM:
-    model = ToyNanotronLM(cfg, parallel_context)
+    model = (ToyQwenStyleLM if cfg.position_ids_input else ToyNanotronLM)(cfg, parallel_context)
     init_weights(model, seed)
     tie_replicated_parameters(model, parallel_context)
     return model

@@ -5,13 +5,13 @@ from pathlib import Path
 VOCAB = 544  # >= the toy tokenizer's 537 tokens, divisible by every TP degree tested
 
 
-def evaluate_layout(rank, world, tp, pp, dp, tokenizer_dir, tasks, batch_tokens=256, max_samples=16):
+def evaluate_layout(rank, world, tp, pp, dp, tokenizer_dir, tasks, batch_tokens=256, max_samples=16, qwen_style=False):
     """Build the toy nanotron model in a tp x pp x dp layout and evaluate `tasks`; returns a summary per task."""
     from nano_eval.compat.nanotron import cpu_parallel_context
     from nano_eval.toy_nanotron import ToyConfig, build_toy_nanotron_model
 
     pc = cpu_parallel_context(tp=tp, pp=pp, dp=dp)
-    cfg = ToyConfig(vocab_size=VOCAB)
+    cfg = ToyConfig(vocab_size=VOCAB, position_ids_input=qwen_style)
     model = build_toy_nanotron_model(pc, cfg)
     return evaluate_model(model, pc, cfg, tokenizer_dir, tasks, batch_tokens=batch_tokens, max_samples=max_samples)
 

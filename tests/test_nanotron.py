@@ -15,8 +15,9 @@ TASKS = "demo|arithmetic|0,demo|arithmetic_ppl|0,demo|arithmetic_gen|0"
 EXACT = ("acc", "acc_norm", "acc_norm_token", "acc_norm_pmi", "exact_match", "quasi_exact_match")
 
 
-def _evaluate(rank, world, tp, pp, dp, tokenizer_dir, batch_tokens):
-    return evaluate_layout(rank, world, tp, pp, dp, tokenizer_dir, TASKS, batch_tokens=batch_tokens, max_samples=12)
+def _evaluate(rank, world, tp, pp, dp, tokenizer_dir, batch_tokens, qwen_style=False):
+    return evaluate_layout(rank, world, tp, pp, dp, tokenizer_dir, TASKS, batch_tokens=batch_tokens, max_samples=12,
+                           qwen_style=qwen_style)
 
 
 @pytest.fixture(scope="module")
@@ -24,9 +25,14 @@ def reference(toy_checkpoint):
     return run_distributed(_evaluate, 1, 1, 1, 1, str(toy_checkpoint), 100_000)[0]
 
 
-@pytest.mark.parametrize("tp, pp, dp", [(1, 1, 2), (2, 1, 1), (1, 2, 1), (2, 2, 1), (2, 2, 2)])
-def test_layout_matches_single_process(reference, toy_checkpoint, tp, pp, dp):
-    per_rank = run_distributed(_evaluate, tp * pp * dp, tp, pp, dp, str(toy_checkpoint), 96)
+@pytest.mark.parametrize(
+    "tp, pp, dp, qwen_style",
+    [(1, 1, 2, False), (2, 1, 1, False), (1, 2, 1, False), (2, 2, 1, False), (2, 2, 2, False), (2, 2, 1, True)],
+    ids=["dp2", "tp2", "pp2", "tp2xpp2", "dp2xtp2xpp2", "tp2xpp2-position_ids"],
+)
+def test_layout_matches_single_process(reference, toy_checkpoint, tp, pp, dp, qwen_style):
+    """qwen_style: the model takes (input_ids, position_ids) like nanotron main's Qwen2 instead of input_mask."""
+    per_rank = run_distributed(_evaluate, tp * pp * dp, tp, pp, dp, str(toy_checkpoint), 96, qwen_style)
     assert all(r == per_rank[0] for r in per_rank), "ranks disagree on the results"
     got = per_rank[0]
     for key, ref in reference.items():

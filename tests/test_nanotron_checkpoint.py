@@ -33,7 +33,8 @@ def runs(toy_checkpoint, ckpt_dir):
     """Three spawned worlds: TP2 saves (seed 0) then loads into seed 1; TP1 and PP2 load into seed 1 (TP1 also
     scores the seed-0 reference and the seed-1 model before loading)."""
     tok, ckpt = str(toy_checkpoint), str(ckpt_dir)
-    out = {"tp2": _single(run_distributed(save_and_evaluate_checkpoint, 2, *LAYOUTS["tp2"], ckpt, tok, TASKS))}
+    tp2 = _single(run_distributed(save_and_evaluate_checkpoint, 2, *LAYOUTS["tp2"], ckpt, tok, TASKS))
+    out = {"tp2": tp2["loaded"]}
     tp1 = _single(run_distributed(evaluate_checkpoint, 1, *LAYOUTS["tp1"], ckpt, tok, TASKS, 1, 0))
     out["tp1"], out["reference"], out["unloaded"] = tp1["loaded"], tp1["reference"], tp1["unloaded"]
     out["pp2"] = _single(run_distributed(evaluate_checkpoint, 2, *LAYOUTS["pp2"], ckpt, tok, TASKS))["loaded"]
@@ -73,9 +74,9 @@ def test_loaded_checkpoint_matches_direct_model(runs, layout):
                 assert b == pytest.approx(a, abs=1e-5), layout
 
 
-def test_model_before_loading_differs(runs):
+@pytest.mark.parametrize("key, tolerance", [(MC, 1e-2), (PPL, 1e-2)])
+def test_model_before_loading_differs(runs, key, tolerance):
     """Without load_weights, the seed-1 model scores differently: the comparison above can fail."""
-    ref, unloaded = runs["reference"][MC]["logprobs"], runs["unloaded"][MC]["logprobs"]
-    diff = max(abs(x - y) for a, b in zip(ref, unloaded, strict=True) for x, y in zip(a, b, strict=True))
-    assert diff > 1e-2
-    assert runs["unloaded"][PPL]["logprobs"] != pytest.approx(runs["reference"][PPL]["logprobs"], rel=1e-3)
+    ref, unloaded = runs["reference"][key]["logprobs"], runs["unloaded"][key]["logprobs"]
+    diff = max(abs(x - y) / max(1.0, abs(x)) for a, b in zip(ref, unloaded, strict=True) for x, y in zip(a, b, strict=True))
+    assert diff > tolerance
