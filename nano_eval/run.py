@@ -122,11 +122,14 @@ def prepare_demo(args) -> None:
 
 
 def evaluate(args) -> EvalResults:
+    from nano_eval.models.nanotron_checkpoint import check_can_load, is_nanotron_checkpoint
     from nano_eval.models.transformers_model import TransformersModel
     from nano_eval.tasks import Registry, load_datasets
 
     if not args.checkpoint or not args.tasks:
         raise NanoEvalError("both --checkpoint and --tasks are needed (or --demo). Fix: see `nano_eval/run.py -h`.")
+    if is_nanotron_checkpoint(args.checkpoint):
+        check_can_load(args.checkpoint)
     registry = Registry(custom_tasks=args.custom_tasks)
     specs = registry.parse_specs(args.tasks)
     tasks = registry.get_task_dict(specs, data_dir=args.data_dir)

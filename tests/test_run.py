@@ -152,3 +152,12 @@ def test_a_rank_that_raises_stops_every_rank_promptly(tmp_path, toy_checkpoint):
     assert proc.returncode != 0
     assert "nano_eval: error: [rank 1] evaluation failed: RuntimeError: injected failure on the third batch" in proc.stderr
     assert not (tmp_path / "out" / "results.json").exists()
+
+
+def test_nanotron_checkpoint_without_gpu_says_what_is_missing(tmp_path, capsys):
+    ckpt = tmp_path / "nanotron_ckpt"
+    (ckpt / "model").mkdir(parents=True)
+    (ckpt / "config.yaml").write_text("model: {}\n")
+    assert main(["--checkpoint", str(ckpt), "--tasks", "demo|arithmetic|0", "--output-dir", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "is a nanotron checkpoint" in err and "flash-attn" in err and "Traceback" not in err
