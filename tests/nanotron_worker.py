@@ -82,8 +82,7 @@ def save_and_evaluate_checkpoint(rank, world, tp, pp, dp, ckpt_dir, tokenizer_di
     pc = cpu_parallel_context(tp=tp, pp=pp, dp=dp)
     cfg = ToyConfig(vocab_size=VOCAB)
     model = build_toy_nanotron_model(pc, cfg, seed=save_seed)
-    _plain_int_unsharded_shapes(model)
-    save_weights(model, pc, Path(ckpt_dir))
+    save_weights(model, pc, Path(ckpt_dir))  # under numpy 2 it writes shapes like "(np.int64(192), 64)"
     save_meta(pc, Path(ckpt_dir), {"last_train_step": 0, "consumed_train_samples": 0})
     dist.barrier()  # every rank's shards are on disk before anyone reads them
     return {"loaded": _load_and_evaluate(pc, cfg, ckpt_dir, tokenizer_dir, tasks, load_seed, batch_tokens, max_samples)}
@@ -106,23 +105,6 @@ def evaluate_checkpoint(rank, world, tp, pp, dp, ckpt_dir, tokenizer_dir, tasks,
             out[key] = evaluate_model(model, pc, cfg, tokenizer_dir, tasks, batch_tokens=batch_tokens,
                                       max_samples=max_samples)
     return out
-
-
-def _plain_int_unsharded_shapes(model) -> None:
-    """Make every sharded parameter's `unsharded_shape` plain Python ints before `save_weights`.
-
-    nanotron 0.4 computes the unsharded shape of a column linear with `contiguous_chunks` (the toy qkv, Llama's
-    qkv_proj and gate_up_proj) with `np.cumsum`, and writes `str(tuple(shape))` into each shard's safetensors
-    metadata. Under numpy >= 2 that string is "(np.int64(192), 64)", which nanotron's own `TensorMetadata` parser
-    cannot read back, so `load_weights` fails as soon as it must reshard (a different TP or PP size). With plain ints
-    the files are byte-for-byte what nanotron writes under numpy 1.x.
-    """
-    from nanotron.parallel.parameters import NanotronParameter
-
-    for param in model.parameters():
-        if isinstance(param, NanotronParameter) and param.is_sharded:
-            info = param.get_sharded_info()
-            info.unsharded_shape = tuple(int(d) for d in info.unsharded_shape)
 
 
 def _load_and_evaluate(pc, cfg, ckpt_dir, tokenizer_dir, tasks, seed, batch_tokens, max_samples):

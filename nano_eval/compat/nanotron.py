@@ -6,11 +6,15 @@
   `LoggingArgs` in a type hint), then import the real config.
 - `ParallelContext.set_device` calls CUDA; `CPUParallelContext` skips it so the parallel modules run on gloo.
 - Llama (0.4 and main) takes `input_ids, input_mask`; Qwen2 (main) takes `input_ids, position_ids`.
+- Under numpy >= 2, nanotron 0.4's `save_weights` writes the unsharded shape of chunked column linears (Llama's
+  qkv_proj, gate_up_proj) as "(np.int64(192), 64)", which its own metadata parser cannot read, so `load_weights`
+  fails whenever it must reshard. We teach the parser to read those strings (reading only; files are unchanged).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import sys
 import types
 
@@ -46,8 +50,29 @@ def import_nanotron():
                 sys.modules[name] = module
     import nanotron.config  # noqa: F401  (the real one, now that nanotron.logging is complete)
 
+    _read_numpy2_shape_metadata()
     _READY = True
     return nanotron
+
+
+_NUMPY_SCALAR = re.compile(r"np\.\w+\((-?\d+)\)")
+
+
+def _read_numpy2_shape_metadata() -> None:
+    """Let nanotron's TensorMetadata parse "(np.int64(192), 64)" as (192, 64)."""
+    from nanotron.serialize.metadata import TensorMetadata
+
+    original = TensorMetadata.from_str_dict.__func__
+    if getattr(original, "_nano_eval_patched", False):
+        return
+
+    def from_str_dict(cls, dictionary):
+        if "unsharded_shape" in dictionary:
+            dictionary = {**dictionary, "unsharded_shape": _NUMPY_SCALAR.sub(r"\1", dictionary["unsharded_shape"])}
+        return original(cls, dictionary)
+
+    from_str_dict._nano_eval_patched = True
+    TensorMetadata.from_str_dict = classmethod(from_str_dict)
 
 
 def cpu_parallel_context(tp: int, pp: int, dp: int):
