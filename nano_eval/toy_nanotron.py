@@ -1,9 +1,12 @@
-"""A small causal LM built from nanotron's own parallel modules, for tests and CPU examples.
+"""A small Llama built from nanotron's own parallel modules, for tests and CPU examples.
 
-nanotron's Llama needs flash-attn and CUDA, so it cannot run on CPU. This model uses the same building blocks
-(TensorParallelEmbedding, column/row linears, PipelineBlock + P2P + TensorPointer, a vocab-parallel LM head) and
-the same calling convention as nanotron's LlamaModel: `model(input_ids [B, S], input_mask [B, S])` returns fp32
-vocab-sharded logits `[S, B, V/tp]` on the last pipeline stage and a TensorPointer elsewhere.
+nanotron's Llama needs flash-attn and CUDA, so it cannot run on CPU. This model mirrors it: the same parameter
+names and shapes (`model.decoder.<i>.pp_block.attn.qkv_proj.weight`, ...), fused qkv / gate_up projections split
+over TP with nanotron's `contiguous_chunks`, RMSNorm, SwiGLU, grouped-query attention, and rotary embeddings in
+nanotron's training convention (interleaved pairs, as flash-attn's `interleaved=True`). Its building blocks are
+nanotron's: TensorParallelEmbedding, column/row linears, PipelineBlock + P2P + TensorPointer, a vocab-parallel LM
+head. `model.model(input_ids [B, S], input_mask [B, S])` returns fp32 vocab-sharded logits `[S, B, V/tp]` on the
+last pipeline stage and a TensorPointer elsewhere, like nanotron's LlamaModel.
 
 Weights are a pure function of (seed, parameter name), so every TP/PP/DP layout holds the same model.
 """
@@ -11,7 +14,7 @@ Weights are a pure function of (seed, parameter name), so every TP/PP/DP layout 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
@@ -38,103 +41,171 @@ ALL_REDUCE = TensorParallelLinearMode.ALL_REDUCE
 
 @dataclass(frozen=True)
 class ToyConfig:
+    """Field names follow nanotron's LlamaConfig so `llama_config()` can be written into a checkpoint."""
+
     vocab_size: int = 512  # must divide by tp
-    hidden: int = 64
-    heads: int = 4  # must divide by tp
-    layers: int = 4
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_attention_heads: int = 4  # must divide by tp
+    num_key_value_heads: int = 2  # must divide by tp
+    num_hidden_layers: int = 4
     max_position_embeddings: int = 128
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
     position_ids_input: bool = False  # True: forward(input_ids, position_ids) like nanotron main's Qwen2
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def llama_config(self) -> dict:
+        """The `model.model_config` section of a nanotron config.yaml for this model."""
+        cfg = {k: v for k, v in asdict(self).items() if k != "position_ids_input"}
+        return {**cfg, "hidden_act": "silu", "tie_word_embeddings": False, "is_llama_config": True}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.ones(hidden_size)), eps
+
+    def forward(self, input):
+        x = input.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return {"hidden_states": (self.weight * x).to(input.dtype)}
+
+
+def rotate_interleaved(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding on pairs (x[2i], x[2i+1]): x [S, B, heads, d], positions [S, B]."""
+    d = x.shape[-1]
+    freqs = theta ** (-torch.arange(0, d, 2, dtype=torch.float32) / d)  # [d/2]
+    angles = positions[..., None, None].float() * freqs  # [S, B, 1, d/2]
+    cos, sin = angles.cos(), angles.sin()
+    even, odd = x[..., 0::2].float(), x[..., 1::2].float()
+    out = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
+    return out.flatten(-2).to(x.dtype)
 
 
 class Embedding(nn.Module):
     def __init__(self, cfg: ToyConfig, tp_pg):
         super().__init__()
-        self.token = TensorParallelEmbedding(cfg.vocab_size, cfg.hidden, pg=tp_pg, mode=ALL_REDUCE)
-        self.position = nn.Embedding(cfg.max_position_embeddings, cfg.hidden)
+        self.token_embedding = TensorParallelEmbedding(cfg.vocab_size, cfg.hidden_size, pg=tp_pg, mode=ALL_REDUCE)
 
-    def forward(self, input_ids, input_mask):  # [B, S] -> hidden [S, B, H]
-        ids = input_ids.transpose(0, 1)
-        positions = torch.arange(ids.shape[0], device=ids.device)
-        return {"hidden_states": self.token(ids) + self.position(positions)[:, None, :]}
+    def forward(self, input_ids, input_mask):  # [B, S] -> [S, B, H], positions [S, B]
+        positions = (input_mask.long().cumsum(-1) - 1).clamp(min=0)
+        return self._embed(input_ids, positions)
+
+    def _embed(self, input_ids, positions):
+        return {"hidden_states": self.token_embedding(input_ids.transpose(0, 1)), "positions": positions.transpose(0, 1)}
 
 
 class EmbeddingWithPositionIds(Embedding):
     """Qwen2-style entry (nanotron main): positions come in as `position_ids` [B, S] instead of a mask."""
 
-    def forward(self, input_ids, position_ids):  # [B, S] -> hidden [S, B, H]
-        ids, positions = input_ids.transpose(0, 1), position_ids.transpose(0, 1)
-        return {"hidden_states": self.token(ids) + self.position(positions)}
+    def forward(self, input_ids, position_ids):
+        return self._embed(input_ids, position_ids)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ToyConfig, tp_pg):
+        super().__init__()
+        tp, d = tp_pg.size(), cfg.head_dim
+        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads // tp, cfg.num_key_value_heads // tp, d
+        self.theta = cfg.rope_theta
+        q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+        self.qkv_proj = TensorParallelColumnLinear(
+            cfg.hidden_size, q + 2 * kv, pg=tp_pg, mode=ALL_REDUCE, bias=False, contiguous_chunks=(q, kv, kv)
+        )
+        self.o_proj = TensorParallelRowLinear(q, cfg.hidden_size, pg=tp_pg, mode=ALL_REDUCE, bias=False)
+
+    def forward(self, x, positions):  # x [S, B, H] -> [S, B, H]
+        s, b, _ = x.shape
+        d = self.head_dim
+        q, k, v = self.qkv_proj(x).split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
+        q = rotate_interleaved(q.reshape(s, b, self.heads, d), positions, self.theta)
+        k = rotate_interleaved(k.reshape(s, b, self.kv_heads, d), positions, self.theta)
+        v = v.reshape(s, b, self.kv_heads, d)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [B, heads, S, d]
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.o_proj(att.permute(2, 0, 1, 3).reshape(s, b, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ToyConfig, tp_pg):
+        super().__init__()
+        i = cfg.intermediate_size
+        self.gate_up_proj = TensorParallelColumnLinear(
+            cfg.hidden_size, 2 * i, pg=tp_pg, mode=ALL_REDUCE, bias=False, contiguous_chunks=(i, i)
+        )
+        self.down_proj = TensorParallelRowLinear(i, cfg.hidden_size, pg=tp_pg, mode=ALL_REDUCE, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm causal self-attention and MLP; heads and MLP columns are split over the TP group."""
-
     def __init__(self, cfg: ToyConfig, tp_pg):
         super().__init__()
-        h, tp = cfg.hidden, tp_pg.size()
-        self.local_heads, self.head_dim = cfg.heads // tp, h // cfg.heads
-        self.norm1, self.norm2 = nn.LayerNorm(h), nn.LayerNorm(h)
-        self.qkv = TensorParallelColumnLinear(h, 3 * h, pg=tp_pg, mode=ALL_REDUCE, bias=False, contiguous_chunks=(h, h, h))
-        self.out = TensorParallelRowLinear(h, h, pg=tp_pg, mode=ALL_REDUCE, bias=False)
-        self.up = TensorParallelColumnLinear(h, 4 * h, pg=tp_pg, mode=ALL_REDUCE, bias=False)
-        self.down = TensorParallelRowLinear(4 * h, h, pg=tp_pg, mode=ALL_REDUCE, bias=False)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = Attention(cfg, tp_pg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg, tp_pg)
 
-    def forward(self, hidden_states):  # [S, B, H] -> [S, B, H]
-        s, b, _ = hidden_states.shape
-        q, k, v = self.qkv(self.norm1(hidden_states)).chunk(3, dim=-1)  # each [S, B, H/tp]
-        q, k, v = (t.reshape(s, b, self.local_heads, self.head_dim).permute(1, 2, 0, 3) for t in (q, k, v))
-        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, heads/tp, S, d]
-        x = hidden_states + self.out(att.permute(2, 0, 1, 3).reshape(s, b, -1))
-        return {"hidden_states": x + self.down(F.gelu(self.up(self.norm2(x))))}
+    def forward(self, hidden_states, positions):
+        x = hidden_states + self.attn(self.input_layernorm(hidden_states)["hidden_states"], positions)
+        x = x + self.mlp(self.post_attention_layernorm(x)["hidden_states"])
+        return {"hidden_states": x, "positions": positions}
 
 
-class LMHead(nn.Module):
-    def __init__(self, cfg: ToyConfig, tp_pg):
-        super().__init__()
-        self.norm = nn.LayerNorm(cfg.hidden)
-        self.proj = TensorParallelColumnLinear(cfg.hidden, cfg.vocab_size, pg=tp_pg, mode=ALL_REDUCE, bias=False)
-
-    def forward(self, hidden_states):  # [S, B, H] -> fp32 logits [S, B, V/tp]
-        return {"logits": self.proj(self.norm(hidden_states)).float()}
-
-
-class ToyNanotronLM(nn.Module):
-    """Embedding on the first pipeline stage, layers spread evenly, LM head on the last stage."""
+class ToyLlamaModel(nn.Module):
+    """Embedding on the first pipeline stage, layers spread evenly, norm + LM head on the last stage."""
 
     def __init__(self, cfg: ToyConfig, parallel_context, device=torch.device("cpu")):
         super().__init__()
-        self.config = cfg
-        tp_pg, pp_pg = parallel_context.tp_pg, parallel_context.pp_pg
-        pp = pp_pg.size()
-        p2p = P2P(pp_pg, device=device)
-        entry, keys = (EmbeddingWithPositionIds, "position_ids") if cfg.position_ids_input else (Embedding, "input_mask")
-        self.embed = PipelineBlock(p2p, entry, dict(cfg=cfg, tp_pg=tp_pg), {"input_ids", keys}, {"hidden_states"})
-        self.layers = nn.ModuleList(
-            PipelineBlock(p2p, DecoderLayer, dict(cfg=cfg, tp_pg=tp_pg), {"hidden_states"}, {"hidden_states"})
-            for _ in range(cfg.layers)
-        )
-        self.head = PipelineBlock(p2p, LMHead, dict(cfg=cfg, tp_pg=tp_pg), {"hidden_states"}, {"logits"})
-        self.embed.build_and_set_rank(0)
-        for i, layer in enumerate(self.layers):
-            layer.build_and_set_rank(i * pp // cfg.layers)
-        self.head.build_and_set_rank(pp - 1)
-        self.output_pp_rank = pp - 1
+        tp_pg, pp = parallel_context.tp_pg, parallel_context.pp_pg.size()
+        p2p = P2P(parallel_context.pp_pg, device=device)
+        entry, key = (EmbeddingWithPositionIds, "position_ids") if cfg.position_ids_input else (Embedding, "input_mask")
+        kw = dict(cfg=cfg, tp_pg=tp_pg)
+        self.token_position_embeddings = PipelineBlock(p2p, entry, kw, {"input_ids", key}, {"hidden_states", "positions"})
+        both = {"hidden_states", "positions"}
+        self.decoder = nn.ModuleList(PipelineBlock(p2p, DecoderLayer, kw, both, both) for _ in range(cfg.num_hidden_layers))
+        norm_kw = dict(hidden_size=cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.final_layer_norm = PipelineBlock(p2p, RMSNorm, norm_kw, {"input"}, {"hidden_states"})
+        head_kw = dict(in_features=cfg.hidden_size, out_features=cfg.vocab_size, pg=tp_pg, mode=ALL_REDUCE, bias=False)
+        self.lm_head = PipelineBlock(p2p, TensorParallelColumnLinear, head_kw, {"x"}, {"logits"})
+        self.token_position_embeddings.build_and_set_rank(0)
+        for i, layer in enumerate(self.decoder):
+            layer.build_and_set_rank(i * pp // cfg.num_hidden_layers)
+        self.final_layer_norm.build_and_set_rank(pp - 1)
+        self.lm_head.build_and_set_rank(pp - 1)
 
     def forward(self, input_ids, input_mask):
-        """input_ids, input_mask: [B, S] on the first stage (TensorPointer elsewhere) -> logits [S, B, V/tp]."""
-        return self._run(self.embed(input_ids=input_ids, input_mask=input_mask)["hidden_states"])
+        """[B, S] inputs on the first stage (TensorPointer elsewhere) -> fp32 logits [S, B, V/tp] on the last."""
+        return self._run(self.token_position_embeddings(input_ids=input_ids, input_mask=input_mask))
 
-    def _run(self, hidden):
-        for layer in self.layers:
-            hidden = layer(hidden_states=hidden)["hidden_states"]
-        return self.head(hidden_states=hidden)["logits"]
+    def _run(self, state):
+        for layer in self.decoder:
+            state = layer(hidden_states=state["hidden_states"], positions=state["positions"])
+        hidden = self.final_layer_norm(input=state["hidden_states"])["hidden_states"]
+        logits = self.lm_head(x=hidden)["logits"]
+        return logits if not isinstance(logits, torch.Tensor) else logits.float()
 
 
-class ToyQwenStyleLM(ToyNanotronLM):
+class ToyQwenStyleModel(ToyLlamaModel):
     """The same model with nanotron main's Qwen2 calling convention: forward(input_ids, position_ids)."""
 
     def forward(self, input_ids, position_ids):
-        return self._run(self.embed(input_ids=input_ids, position_ids=position_ids)["hidden_states"])
+        return self._run(self.token_position_embeddings(input_ids=input_ids, position_ids=position_ids))
+
+
+class ToyLlamaForTraining(nn.Module):
+    """The wrapper nanotron's trainer holds (`.model` is the LlamaModel); checkpoint names start with `model.`."""
+
+    def __init__(self, cfg: ToyConfig, parallel_context):
+        super().__init__()
+        self.config = cfg
+        self.model = (ToyQwenStyleModel if cfg.position_ids_input else ToyLlamaModel)(cfg, parallel_context)
 
 
 def _seeded_normal(shape, name: str, seed: int) -> torch.Tensor:
@@ -146,13 +217,9 @@ def _seeded_normal(shape, name: str, seed: int) -> torch.Tensor:
 def init_weights(model: nn.Module, seed: int = 0) -> None:
     """Fill every parameter from its full (unsharded) tensor, drawn from (seed, name): same model in every layout."""
     for name, param in model.named_parameters():
-        if name.endswith(".weight") and ".norm" in name:
-            param.fill_(1.0)
-            continue
-        if name.endswith(".bias"):
-            param.zero_()
-            continue
-        if isinstance(param, NanotronParameter) and param.is_sharded:
+        if "norm" in name:
+            param.copy_(1.0 + 0.1 * _seeded_normal(param.shape, name, seed))
+        elif isinstance(param, NanotronParameter) and param.is_sharded:
             info = param.get_sharded_info()
             full = _seeded_normal(info.unsharded_shape, name, seed)
             for pair in info.local_global_slices_pairs:
@@ -173,8 +240,8 @@ def tie_replicated_parameters(model: nn.Module, parallel_context) -> None:
     create_pg_for_tied_weights(model, parallel_context)
 
 
-def build_toy_nanotron_model(parallel_context, cfg: ToyConfig = ToyConfig(), seed: int = 0) -> ToyNanotronLM:
-    model = (ToyQwenStyleLM if cfg.position_ids_input else ToyNanotronLM)(cfg, parallel_context)
+def build_toy_nanotron_model(parallel_context, cfg: ToyConfig = ToyConfig(), seed: int = 0) -> ToyLlamaForTraining:
+    model = ToyLlamaForTraining(cfg, parallel_context)
     init_weights(model, seed)
     tie_replicated_parameters(model, parallel_context)
     return model

@@ -54,7 +54,7 @@ def peak_scoring_memory_mb(rank, world, tp, vocab, tokenizer_dir):
     from nano_eval.toy_nanotron import ToyConfig, build_toy_nanotron_model
 
     pc = cpu_parallel_context(tp=tp, pp=1, dp=1)
-    cfg = ToyConfig(vocab_size=vocab, hidden=32, layers=1, max_position_embeddings=256)
+    cfg = ToyConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=1, max_position_embeddings=256)
     backend = NanotronModel(build_toy_nanotron_model(pc, cfg), pc, AutoTokenizer.from_pretrained(tokenizer_dir),
                             max_length=cfg.max_position_embeddings)
     engine = Engine(backend, progress=False)

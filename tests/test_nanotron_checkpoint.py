@@ -47,15 +47,15 @@ def test_checkpoint_is_nanotrons_layout(runs, ckpt_dir):
     from safetensors import safe_open
 
     assert (ckpt_dir / "checkpoint_metadata.json").is_file()
-    qkv = ckpt_dir / "model" / "layers" / "0" / "pp_block" / "qkv"
+    qkv = ckpt_dir / "model" / "model" / "decoder" / "0" / "pp_block" / "attn" / "qkv_proj"
     shards = sorted(p.name for p in qkv.iterdir())
     assert shards == [f"model_weight_pp-rank-0-of-1_tp-rank-{r}-of-2.safetensors" for r in (0, 1)]
     with safe_open(qkv / shards[1], framework="pt") as f:
-        assert f.get_tensor("data").shape == (96, 64)  # (3 * hidden) / tp rows
+        assert f.get_tensor("data").shape == (64, 64)  # (q + k + v rows = 64 + 32 + 32) / tp
         # nanotron 0.4 under numpy 2 writes numpy scalar reprs; nano_eval.compat teaches load_weights to read them
-        assert f.metadata()["unsharded_shape"].replace("np.int64(192)", "192") == "(192, 64)"
-    norm = ckpt_dir / "model" / "layers" / "0" / "pp_block" / "norm1"
-    assert sorted(p.name for p in norm.iterdir()) == ["model_bias.safetensors", "model_weight.safetensors"]
+        assert f.metadata()["unsharded_shape"].replace("np.int64(128)", "128") == "(128, 64)"
+    norm = ckpt_dir / "model" / "model" / "decoder" / "0" / "pp_block" / "input_layernorm"
+    assert sorted(p.name for p in norm.iterdir()) == ["model_weight.safetensors"]
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
