@@ -30,7 +30,8 @@ DEMO_TASKS = "demo|arithmetic|0,demo|arithmetic|3,demo|arithmetic_gen|3,demo|ari
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nano_eval", description=__doc__.splitlines()[0])
-    p.add_argument("--checkpoint", help="transformers model folder (config.json + safetensors) or Hub id")
+    p.add_argument("--checkpoint", help="transformers model folder, Hub id, or nanotron Llama checkpoint folder")
+    p.add_argument("--tokenizer", default=None, help="tokenizer for a nanotron checkpoint (default: its config.yaml's)")
     p.add_argument("--tasks", help="comma-separated specs suite|task|num_fewshot, or a file with one per line")
     p.add_argument("--output-dir", default="nano_eval_results", help="where results.json and details/ go")
     p.add_argument("--max-samples", type=int, default=None, help="evaluate the first K documents of each task")
@@ -121,23 +122,30 @@ def prepare_demo(args) -> None:
     args.checkpoint, args.tasks = args.checkpoint or str(ckpt), args.tasks or DEMO_TASKS
 
 
-def evaluate(args) -> EvalResults:
-    from nano_eval.models.nanotron_checkpoint import check_can_load, is_nanotron_checkpoint
+def build_backend(args):
+    """A transformers backend for a transformers folder / Hub id, or for a nanotron Llama checkpoint (converted)."""
+    from nano_eval.models.nanotron_checkpoint import is_nanotron_checkpoint, load_as_transformers
     from nano_eval.models.transformers_model import TransformersModel
+
+    if is_nanotron_checkpoint(args.checkpoint):
+        return load_as_transformers(args.checkpoint, args.tokenizer, device=args.device, dtype=args.dtype,
+                                    max_length=args.max_length)
+    return TransformersModel.from_pretrained(
+        args.checkpoint, device=args.device, dtype=args.dtype, max_length=args.max_length,
+        trust_remote_code=args.trust_remote_code,
+    )
+
+
+def evaluate(args) -> EvalResults:
     from nano_eval.tasks import Registry, load_datasets
 
     if not args.checkpoint or not args.tasks:
         raise NanoEvalError("both --checkpoint and --tasks are needed (or --demo). Fix: see `nano_eval/run.py -h`.")
-    if is_nanotron_checkpoint(args.checkpoint):
-        check_can_load(args.checkpoint)
     registry = Registry(custom_tasks=args.custom_tasks)
     specs = registry.parse_specs(args.tasks)
     tasks = registry.get_task_dict(specs, data_dir=args.data_dir)
     load_datasets(tasks, processes=min(8, len(tasks)))
-    backend = TransformersModel.from_pretrained(
-        args.checkpoint, device=args.device, dtype=args.dtype, max_length=args.max_length,
-        trust_remote_code=args.trust_remote_code,
-    )
+    backend = build_backend(args)
     batching = BatchingConfig(max_batch_tokens=args.batch_tokens, max_batch_size=args.max_batch_size)
     config = EvalConfig(max_samples=args.max_samples, seed=args.seed, batching=batching)
     evaluator = Evaluator(backend, [(s, tasks[s.full_name]) for s in specs], config)

@@ -20,12 +20,18 @@ def evaluate_model(model, pc, cfg, tokenizer_dir, tasks, batch_tokens=256, max_s
     """Evaluate `tasks` on a built nanotron `model` with the NanotronModel backend; returns a summary per task."""
     from transformers import AutoTokenizer
 
-    from nano_eval.engine import BatchingConfig
-    from nano_eval.evaluator import EvalConfig, Evaluator
     from nano_eval.models.nanotron_model import NanotronModel
-    from nano_eval.tasks import Registry
 
     backend = NanotronModel(model, pc, AutoTokenizer.from_pretrained(tokenizer_dir), max_length=cfg.max_position_embeddings)
+    return summarize(backend, tasks, batch_tokens, max_samples)
+
+
+def summarize(backend, tasks, batch_tokens, max_samples):
+    """Evaluate `tasks` with any backend: metrics, per-document log-probs and predictions per task."""
+    from nano_eval.engine import BatchingConfig
+    from nano_eval.evaluator import EvalConfig, Evaluator
+    from nano_eval.tasks import Registry
+
     registry = Registry()
     specs = registry.parse_specs(tasks)
     task_dict = registry.get_task_dict(specs)

@@ -1,4 +1,5 @@
-"""A checkpoint written by nanotron's own `save_weights` at TP2 scores the same at TP1, TP2 and PP2.
+"""A checkpoint written by nanotron's own `save_weights` at TP2 scores the same at TP1, TP2 and PP2, and through the
+conversion to a transformers LlamaForCausalLM (nano_eval/models/nanotron_to_hf.py).
 
 nanotron's `load_weights` reshards TP shards on load (merge into the unsharded tensor, then cut this rank's slices).
 Loading goes into a model built with a different seed, so a load that does nothing cannot pass; the reference is
@@ -38,7 +39,28 @@ def runs(toy_checkpoint, ckpt_dir):
     tp1 = _single(run_distributed(evaluate_checkpoint, 1, *LAYOUTS["tp1"], ckpt, tok, TASKS, 1, 0))
     out["tp1"], out["reference"], out["unloaded"] = tp1["loaded"], tp1["reference"], tp1["unloaded"]
     out["pp2"] = _single(run_distributed(evaluate_checkpoint, 2, *LAYOUTS["pp2"], ckpt, tok, TASKS))["loaded"]
+    out["transformers"] = _convert_and_evaluate(ckpt, tok)
     return out
+
+
+def _convert_and_evaluate(ckpt: str, tokenizer_dir: str):
+    """No process group, no nanotron model: read the shards into LlamaForCausalLM and score it."""
+    from pathlib import Path
+
+    import yaml
+    from transformers import AutoTokenizer
+
+    from nano_eval.models.nanotron_to_hf import load_nanotron_llama_as_hf
+    from nano_eval.models.transformers_model import TransformersModel
+    from nano_eval.toy_nanotron import ToyConfig
+    from tests.nanotron_worker import VOCAB, summarize
+
+    model_config = ToyConfig(vocab_size=VOCAB).llama_config()
+    (Path(ckpt) / "config.yaml").write_text(yaml.safe_dump({"model": {"model_config": model_config}}))  # as nanotron's
+    hf = load_nanotron_llama_as_hf(ckpt)
+    backend = TransformersModel(hf, AutoTokenizer.from_pretrained(tokenizer_dir))
+    assert backend.max_length == model_config["max_position_embeddings"]
+    return summarize(backend, TASKS, batch_tokens=4096, max_samples=12)
 
 
 def test_checkpoint_is_nanotrons_layout(runs, ckpt_dir):
@@ -58,7 +80,7 @@ def test_checkpoint_is_nanotrons_layout(runs, ckpt_dir):
     assert sorted(p.name for p in norm.iterdir()) == ["model_weight.safetensors"]
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", [*LAYOUTS, "transformers"])
 def test_loaded_checkpoint_matches_direct_model(runs, layout):
     ref, got = runs["reference"], runs[layout]
     assert set(got) == set(ref) == {MC, PPL}
@@ -82,3 +104,17 @@ def test_model_before_loading_differs(runs, key, tolerance):
     pairs = [(x, y) for a, b in zip(ref, unloaded, strict=True) for x, y in zip(a, b, strict=True)]
     diff = max(abs(x - y) / max(1.0, abs(x)) for x, y in pairs)  # relative for the large perplexity totals
     assert diff > tolerance
+
+
+def test_command_line_scores_the_nanotron_checkpoint(runs, ckpt_dir, toy_checkpoint, tmp_path):
+    """`run.py --checkpoint <nanotron dir>` goes through the conversion and reports the reference model's scores."""
+    import json
+
+    from nano_eval.run import main
+
+    out = tmp_path / "out"
+    assert main(["--checkpoint", str(ckpt_dir), "--tokenizer", str(toy_checkpoint), "--tasks", TASKS,
+                 "--max-samples", "12", "--output-dir", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())["results"]
+    assert results[MC]["acc"] == runs["reference"][MC]["metrics"]["acc"]
+    assert results[PPL]["bits_per_byte"] == pytest.approx(runs["reference"][PPL]["metrics"]["bits_per_byte"], rel=1e-6)

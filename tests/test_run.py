@@ -154,10 +154,10 @@ def test_a_rank_that_raises_stops_every_rank_promptly(tmp_path, toy_checkpoint):
     assert not (tmp_path / "out" / "results.json").exists()
 
 
-def test_nanotron_checkpoint_without_gpu_says_what_is_missing(tmp_path, capsys):
+def test_nanotron_checkpoint_without_tokenizer_says_how_to_name_one(tmp_path, capsys):
     ckpt = tmp_path / "nanotron_ckpt"
     (ckpt / "model").mkdir(parents=True)
-    (ckpt / "config.yaml").write_text("model: {}\n")
+    (ckpt / "config.yaml").write_text("model: {model_config: {}}\n")
     assert main(["--checkpoint", str(ckpt), "--tasks", "demo|arithmetic|0", "--output-dir", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
-    assert "is a nanotron checkpoint" in err and "flash-attn" in err and "Traceback" not in err
+    assert "names no tokenizer" in err and "--tokenizer" in err and "Traceback" not in err

@@ -1,12 +1,13 @@
-"""Recognise nanotron checkpoints and say clearly what loading one needs.
+"""Score nanotron checkpoints from the command line, on any machine.
 
 A nanotron checkpoint folder holds `config.yaml` and `model/` (sharded safetensors with their TP/PP layout in the
-file names). Building its model class (Llama, Qwen2) needs flash-attn and a CUDA device.
+file names). nanotron's own model classes need flash-attn on CUDA, so the command line reads Llama checkpoints
+into transformers' LlamaForCausalLM (nano_eval/models/nanotron_to_hf.py): same scores, any machine, any saved
+layout. Inside a training job, score the live model with NanotronModel instead.
 """
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 from nano_eval.errors import NanoEvalError
@@ -17,29 +18,30 @@ def is_nanotron_checkpoint(path: str) -> bool:
     return (p / "config.yaml").is_file() and (p / "model").is_dir()
 
 
-def missing_requirements() -> list[str]:
-    """What this machine lacks to build nanotron's model classes (empty when it can)."""
-    import torch
+def tokenizer_path(checkpoint: str, override: str | None) -> str:
+    """--tokenizer, else config.yaml's tokenizer.tokenizer_name_or_path."""
+    if override:
+        return override
+    import yaml
 
-    missing = []
-    if importlib.util.find_spec("nanotron") is None:
-        missing.append("nanotron (pip install 'nano_eval[nanotron]')")
-    if importlib.util.find_spec("flash_attn") is None:
-        missing.append("flash-attn (pip install flash-attn)")
-    if not torch.cuda.is_available():
-        missing.append("a CUDA device")
-    return missing
-
-
-def check_can_load(path: str) -> None:
-    missing = missing_requirements()
-    if missing:
+    config = yaml.safe_load((Path(checkpoint) / "config.yaml").read_text()) or {}
+    name = (config.get("tokenizer") or {}).get("tokenizer_name_or_path")
+    if not name:
         raise NanoEvalError(
-            f"checkpoint {path} is a nanotron checkpoint (config.yaml + model/). nanotron builds its Llama/Qwen2 "
-            f"models with flash-attn on CUDA, and this machine lacks: {', '.join(missing)}. Fix: run on a GPU node "
-            "with those installed, or score the live model from the trainer with NanotronModel (see the README)."
+            f"checkpoint {checkpoint}: config.yaml names no tokenizer (tokenizer.tokenizer_name_or_path). "
+            "Fix: pass --tokenizer PATH_OR_HUB_ID."
         )
-    raise NanoEvalError(
-        f"checkpoint {path}: loading nanotron checkpoints from the command line is not implemented yet. Fix: score "
-        "the model inside the nanotron trainer with NanotronModel (see the README)."
-    )
+    return name
+
+
+def load_as_transformers(checkpoint: str, tokenizer: str | None, *, device: str, dtype: str, max_length: int | None):
+    """A TransformersModel backend holding the nanotron checkpoint's weights."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from nano_eval.models.nanotron_to_hf import load_nanotron_llama_as_hf
+    from nano_eval.models.transformers_model import TransformersModel
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_path(checkpoint, tokenizer))
+    model = load_nanotron_llama_as_hf(checkpoint).to(device=device, dtype=getattr(torch, dtype))
+    return TransformersModel(model, tok, max_length=max_length)
