@@ -16,11 +16,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, world, port, fn, args, queue):
+def _entry(rank, world, port, fn, args, queue, pg_timeout_s):
+    from datetime import timedelta
+
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=pg_timeout_s))
     try:
         queue.put((rank, ("ok", pickle.dumps(fn(rank, world, *args)))))  # plain bytes: no shared-memory handles
     except BaseException:
@@ -29,12 +31,14 @@ def _entry(rank, world, port, fn, args, queue):
         dist.destroy_process_group()
 
 
-def run_distributed(fn, world: int, *args, timeout: float = 120) -> list:
-    """fn(rank, world, *args) on `world` processes; returns the per-rank results in rank order."""
+def run_distributed(fn, world: int, *args, timeout: float = 120, pg_timeout_s: float = 300) -> list:
+    """fn(rank, world, *args) on `world` processes; returns the per-rank results in rank order.
+
+    pg_timeout_s: how long a collective waits for a missing peer before it raises (torch.distributed's timeout)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, queue)) for r in range(world)]
+    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, queue, pg_timeout_s)) for r in range(world)]
     for p in procs:
         p.start()
     results = {}

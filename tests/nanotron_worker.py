@@ -123,3 +123,36 @@ def _load_and_evaluate(pc, cfg, ckpt_dir, tokenizer_dir, tasks, seed, batch_toke
     model = build_toy_nanotron_model(pc, cfg, seed=seed)
     load_weights(model, pc, Path(ckpt_dir))
     return evaluate_model(model, pc, cfg, tokenizer_dir, tasks, batch_tokens=batch_tokens, max_samples=max_samples)
+
+
+def evaluate_with_failing_rank(rank, world, tokenizer_dir, failing_rank=1):
+    """TP2: `failing_rank`'s forward raises on its second batch. Returns (outcome, seconds) on every rank, so the
+    test sees how each rank ended instead of the harness killing the survivors."""
+    import time
+
+    from transformers import AutoTokenizer
+
+    from nano_eval.compat.nanotron import cpu_parallel_context
+    from nano_eval.models.nanotron_model import NanotronModel
+    from nano_eval.toy_nanotron import ToyConfig, build_toy_nanotron_model
+
+    pc = cpu_parallel_context(tp=world, pp=1, dp=1)
+    cfg = ToyConfig(vocab_size=VOCAB)
+    backend = NanotronModel(build_toy_nanotron_model(pc, cfg), pc, AutoTokenizer.from_pretrained(tokenizer_dir),
+                            max_length=cfg.max_position_embeddings)
+    if rank == failing_rank:
+        calls, forward = [], backend.forward
+
+        def broken_forward(batch):  # test-only fault injection inside evaluation
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("injected failure")
+            return forward(batch)
+
+        backend.forward = broken_forward
+    start = time.monotonic()
+    try:
+        summarize(backend, "demo|arithmetic|0", batch_tokens=64, max_samples=12)
+        return "finished", time.monotonic() - start
+    except Exception as e:  # noqa: BLE001 - the outcome is what the test checks
+        return f"{type(e).__name__}: {e}", time.monotonic() - start

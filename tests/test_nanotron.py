@@ -62,3 +62,17 @@ def test_peak_scoring_memory_follows_vocab_over_tp(toy_checkpoint):
     tp2 = max(run_distributed(_peak, 2, 2, str(toy_checkpoint)))
     assert tp1 > 400
     assert tp2 < 0.65 * tp1, f"peak rise per rank: TP1 {tp1:.0f} MiB, TP2 {tp2:.0f} MiB"
+
+
+def _failing(rank, world, tokenizer_dir):
+    from tests.nanotron_worker import evaluate_with_failing_rank
+
+    return evaluate_with_failing_rank(rank, world, tokenizer_dir)
+
+
+def test_a_rank_that_raises_mid_evaluation_stops_its_peers_in_bounded_time(toy_checkpoint):
+    """Rank 1 raises between TP collectives; rank 0, waiting in a TP all-reduce for it, must fail too (the peer's
+    connection closes, or the process-group timeout fires) instead of hanging."""
+    (outcome0, t0), (outcome1, t1) = run_distributed(_failing, 2, str(toy_checkpoint), pg_timeout_s=20, timeout=120)
+    assert outcome1 == "RuntimeError: injected failure"
+    assert outcome0 != "finished" and t0 < 60, (outcome0, t0)
