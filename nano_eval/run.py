@@ -31,6 +31,10 @@ DEMO_TASKS = "demo|arithmetic|0,demo|arithmetic|3,demo|arithmetic_gen|3,demo|ari
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nano_eval", description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint", help="transformers model folder, Hub id, or nanotron Llama checkpoint folder")
+    p.add_argument("--backend", default="transformers", choices=["transformers", "nanotron"],
+                   help="nanotron: build nanotron's own model in --tp x --pp (GPU + flash-attn); transformers: any machine")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (--backend nanotron)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (--backend nanotron)")
     p.add_argument("--tokenizer", default=None, help="tokenizer for a nanotron checkpoint (default: its config.yaml's)")
     p.add_argument("--tasks", help="comma-separated specs suite|task|num_fewshot, or a file with one per line")
     p.add_argument("--output-dir", default="nano_eval_results", help="where results.json and details/ go")
@@ -123,10 +127,16 @@ def prepare_demo(args) -> None:
 
 
 def build_backend(args):
-    """A transformers backend for a transformers folder / Hub id, or for a nanotron Llama checkpoint (converted)."""
-    from nano_eval.models.nanotron_checkpoint import is_nanotron_checkpoint, load_as_transformers
+    """The model behind the evaluation: nanotron's own model class (--backend nanotron), else a transformers model
+    from a transformers folder / Hub id or from a nanotron Llama checkpoint (converted)."""
+    from nano_eval.models.nanotron_checkpoint import is_nanotron_checkpoint, load_as_transformers, load_native
     from nano_eval.models.transformers_model import TransformersModel
 
+    if args.backend == "nanotron":
+        if not is_nanotron_checkpoint(args.checkpoint):
+            raise NanoEvalError(f"--backend nanotron needs a nanotron checkpoint (config.yaml + model/): {args.checkpoint}")
+        return load_native(args.checkpoint, args.tokenizer, tp=args.tp, pp=args.pp, dtype=args.dtype,
+                           max_length=args.max_length)
     if is_nanotron_checkpoint(args.checkpoint):
         return load_as_transformers(args.checkpoint, args.tokenizer, device=args.device, dtype=args.dtype,
                                     max_length=args.max_length)

@@ -161,3 +161,16 @@ def test_nanotron_checkpoint_without_tokenizer_says_how_to_name_one(tmp_path, ca
     assert main(["--checkpoint", str(ckpt), "--tasks", "demo|arithmetic|0", "--output-dir", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
     assert "names no tokenizer" in err and "--tokenizer" in err and "Traceback" not in err
+
+
+def test_native_nanotron_backend_without_gpu_says_what_is_missing(tmp_path, capsys):
+    ckpt = tmp_path / "nanotron_ckpt"
+    (ckpt / "model").mkdir(parents=True)
+    (ckpt / "config.yaml").write_text("model: {model_config: {}}\n")
+    code = main(["--checkpoint", str(ckpt), "--backend", "nanotron", "--tp", "2", "--tasks", "demo|arithmetic|0",
+                 "--output-dir", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    if code == 2 and "lacks" in err:  # CPU machines
+        assert "flash-attn" in err and "--backend transformers" in err and "Traceback" not in err
+    else:  # a GPU node with flash-attn: the (empty) checkpoint itself is the problem, still not a hang
+        assert code != 0
