@@ -1,0 +1,407 @@
+"""In-training evaluation: build once, then call from the training loop every N steps.
+
+```python
+hook = EvalHook(EvalHookConfig(tasks="demo|arithmetic|0", every_n_steps=100, output_dir="out"), backend)
+for step in range(1, num_steps + 1):
+    train_step()
+    hook.maybe_evaluate(step, consumed_tokens=step * tokens_per_step)  # every rank calls it
+hook.close()
+```
+
+Every rank calls the hook at the same steps (`should_run` depends on the step only); every rank gets the same
+`HookResults`; global rank 0 writes `<output_dir>/eval_results.jsonl` (one fsynced line per evaluation),
+`<output_dir>/step_<N>/results.json` (atomic), and logs to W&B / TensorBoard.
+
+Training is not changed by an evaluation: the model is scored in eval mode under no_grad and every module's
+train/eval flag is restored; every RNG state (python, numpy, torch CPU, CUDA) is saved before the hook does
+anything (scoring, W&B, file writes) and restored after; gradients and optimizer state are never touched.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch.distributed as dist
+
+from nano_eval import __version__
+from nano_eval.engine import BatchingConfig
+from nano_eval.evaluator import EvalConfig, EvalResults, Evaluator, TaskResult
+from nano_eval.models.base import Backend, evaluation_mode
+from nano_eval.parallel import any_rank_true
+from nano_eval.tracking.files import SCHEMA_VERSION, details_file_name, write_json, write_jsonl
+from nano_eval.tracking.jsonl import append_jsonl
+from nano_eval.tracking.wandb_logger import TensorBoardLogger, WandbLogger, metric_key, one_line
+
+logger = logging.getLogger(__name__)
+
+JSONL_NAME = "eval_results.jsonl"
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalHookConfig:
+    """What to evaluate, when, and where results go. Scores never depend on batch_tokens / max_batch_size."""
+
+    tasks: str  # "suite|task|k,suite|task|k" or a file with one spec per line
+    every_n_steps: int | None = None  # evaluate at steps N, 2N, ... (never at step 0 unless listed below)
+    also_at_steps: tuple[int, ...] = ()  # extra steps, e.g. (1,) for an early sanity check
+    max_samples: int | None = None  # first K documents of each task (dataset order): the same for every layout
+    # Soft wall-clock budget per evaluation, checked between tasks: once it is spent, the remaining tasks are
+    # skipped (all ranks agree; results name them) and the next evaluation starts with the first skipped task.
+    # A task that has started always finishes, so every scored task scores the same documents on every layout.
+    time_budget_s: float | None = None
+    batch_tokens: int = BatchingConfig.max_batch_tokens
+    max_batch_size: int = BatchingConfig.max_batch_size
+    output_dir: str | os.PathLike = "nano_eval_results"
+    custom_tasks: str | None = None  # Python file defining TASKS_TABLE
+    data_dir: str | None = None  # offline data mirror
+    seed: int = 0  # few-shot sampling seed
+    fail_soft: bool = True  # True: a failed evaluation is reported and training goes on; False: every rank raises
+    write_details: bool = False  # per-sample details under step_<N>/details/
+    progress: bool = False
+    # W&B. wandb=None: log into the trainer's wandb.run if one is open, else open a run only if wandb_project is set.
+    wandb: bool | None = None
+    wandb_project: str | None = None
+    wandb_entity: str | None = None
+    wandb_run_name: str | None = None
+    wandb_mode: str | None = None  # "online" / "offline" / "disabled"; None: WANDB_MODE or W&B's default
+    wandb_dir: str | None = None  # where W&B writes its run folder; default: output_dir
+    wandb_init_kwargs: Mapping[str, Any] | None = None  # anything else for wandb.init
+    step_key: str = "train/step"  # W&B x-axis of every eval metric
+    tokens_key: str = "train/consumed_tokens"
+    metric_prefix: str = "eval"
+    log_stderr: bool = False  # also send "<metric>_stderr" to W&B/TensorBoard (always in the local files)
+    tensorboard_dir: str | None = None  # write TensorBoard scalars here (needs the tensorboard package)
+
+    def __post_init__(self):
+        object.__setattr__(self, "also_at_steps", tuple(int(s) for s in self.also_at_steps))
+        if self.every_n_steps is not None and self.every_n_steps <= 0:
+            raise ValueError(f"every_n_steps must be a positive integer or None, got {self.every_n_steps}")
+        if self.time_budget_s is not None and self.time_budget_s < 0:
+            raise ValueError(f"time_budget_s must be >= 0 or None, got {self.time_budget_s}")
+        if self.max_samples is not None and self.max_samples <= 0:
+            raise ValueError(f"max_samples must be positive or None, got {self.max_samples}")
+
+
+@dataclass
+class HookResults(EvalResults):
+    """EvalResults of one in-training evaluation, plus when it ran and which tasks the time budget skipped."""
+
+    step: int = 0
+    consumed_tokens: int | None = None
+    skipped_tasks: list[str] = field(default_factory=list)  # in the order they would have run
+    time_s: float = 0.0
+
+
+class EvalHookError(RuntimeError):
+    """An evaluation failed on at least one rank and fail_soft=False: raised on every rank together."""
+
+
+class EvalHook:
+    """Evaluate the live model from inside any training loop. Build on every rank; call on every rank.
+
+    Failure agreement: whatever happens inside a call, each rank ends it with one all-reduce of a failure flag
+    over the world group (plus a gather of the error messages when a rank failed), so all ranks take the same
+    branch: with fail_soft=True every rank reports and returns None and training continues; with fail_soft=False
+    every rank raises `EvalHookError` naming the step and the failing ranks.
+
+    Limitation: the agreement happens after the evaluation. An error raised on only SOME ranks while the others
+    are inside a collective of the evaluation (a forward that fails on one tensor-parallel rank, one rank running
+    out of memory mid-batch) leaves the others waiting in that collective until the process group's timeout
+    (`init_process_group(timeout=...)`) expires, and they fail with the timeout error. Errors that happen on
+    every rank (bad task data, an OOM on every rank, a bug in a metric) and errors in rank 0's own work (writing
+    the result files) are agreed on without waiting. W&B and TensorBoard failures never fail an evaluation.
+    Only `Exception`s are caught: KeyboardInterrupt and SystemExit go straight through on the rank that got them.
+    Every rank must call the hook at the same steps (`should_run` depends only on the step, so
+    `maybe_evaluate(step)` from every rank is enough).
+    """
+
+    def __init__(self, config: EvalHookConfig, backend: Backend, *, tasks: list | None = None):
+        """Load and tokenise the tasks once (`tasks`: prebuilt [(TaskSpec, Task)] instead of `config.tasks`).
+
+        Collective: every rank must build the hook. If building fails on any rank, it raises on every rank."""
+        start = time.perf_counter()
+        self.config, self.backend, self.layout = config, backend, backend.layout
+        self.output_dir = Path(config.output_dir)
+        self.failed_steps: list[int] = []
+        self.evaluated_steps: list[int] = []
+        self._printed_traceback = False
+        self._next_task = 0  # where the next evaluation starts (time-budget rotation)
+        self._last_step: int | None = None
+        self._eval_seconds = 0.0
+        self._closed = False
+        self.wandb: WandbLogger | None = None
+        self.tensorboard: TensorBoardLogger | None = None
+        with evaluation_mode(None):  # neither task building nor W&B start-up may move the trainer's RNG streams
+            error = None
+            try:
+                self.specs, self._evaluators = self._build(tasks)
+            except Exception as e:  # noqa: BLE001 -- agreed on below, then raised on every rank
+                error = e
+            failures = self._agree(error)
+            if failures:
+                if error is not None:
+                    raise error
+                raise EvalHookError(f"building the evaluation hook failed on {_describe(failures)}")
+            if self.layout.is_main:
+                self.wandb = WandbLogger(
+                    enabled=config.wandb,
+                    project=config.wandb_project,
+                    entity=config.wandb_entity,
+                    name=config.wandb_run_name,
+                    mode=config.wandb_mode,
+                    dir=str(config.wandb_dir or config.output_dir),
+                    step_key=config.step_key,
+                    tokens_key=config.tokens_key,
+                    prefix=config.metric_prefix,
+                    init_kwargs=config.wandb_init_kwargs,
+                    run_config={"nano_eval": _jsonable(asdict(config))},
+                )
+                if config.tensorboard_dir:
+                    self.tensorboard = TensorBoardLogger(str(config.tensorboard_dir))
+        self.build_seconds = time.perf_counter() - start
+        self._built_at = time.perf_counter()
+
+    @classmethod
+    def for_transformers(cls, config: EvalHookConfig, model, tokenizer, *, max_length: int | None = None, **kwargs):
+        """A hook for a transformers causal LM (plain, or wrapped in DistributedDataParallel: every rank is a
+        data-parallel replica; scoring uses the wrapped module, so DDP's gradient hooks never fire)."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        from nano_eval.models.transformers_model import TransformersModel
+
+        inner = model.module if isinstance(model, DistributedDataParallel) else model
+        return cls(config, TransformersModel(inner, tokenizer, max_length=max_length), **kwargs)
+
+    def _build(self, tasks):
+        from nano_eval.tasks import Registry
+
+        if tasks is None:
+            registry = Registry(custom_tasks=self.config.custom_tasks)
+            specs = registry.parse_specs(self.config.tasks)
+            task_dict = registry.get_task_dict(specs, data_dir=self.config.data_dir)
+            tasks = [(s, task_dict[s.full_name]) for s in specs]
+        eval_config = EvalConfig(
+            max_samples=self.config.max_samples,
+            seed=self.config.seed,
+            batching=BatchingConfig(max_batch_tokens=self.config.batch_tokens,
+                                    max_batch_size=self.config.max_batch_size),
+            progress=self.config.progress,
+        )
+        # One Evaluator per task, so that a time budget can stop between tasks.
+        evaluators = [Evaluator(self.backend, [(spec, task)], eval_config) for spec, task in tasks]
+        return [spec for spec, _ in tasks], evaluators
+
+    # ---- schedule ------------------------------------------------------------------------------------------------
+
+    def should_run(self, step: int) -> bool:
+        """True at every_n_steps multiples (step > 0) and at also_at_steps, once per step."""
+        if step == self._last_step:
+            return False
+        n = self.config.every_n_steps
+        return step in self.config.also_at_steps or (n is not None and step > 0 and step % n == 0)
+
+    def maybe_evaluate(self, step: int, consumed_tokens: int | None = None) -> HookResults | None:
+        """Evaluate if `should_run(step)`; the one call a training loop needs."""
+        return self(step, consumed_tokens) if self.should_run(step) else None
+
+    # ---- one evaluation ------------------------------------------------------------------------------------------
+
+    def __call__(self, step: int, consumed_tokens: int | None = None) -> HookResults | None:
+        """Evaluate now, on every rank. Returns the results (the same on every rank), or None if the evaluation
+        failed and fail_soft=True. Raises EvalHookError on every rank if it failed and fail_soft=False."""
+        if self._closed:
+            raise RuntimeError("EvalHook.__call__ after close()")
+        start = time.perf_counter()
+        self._last_step = step
+        results = None
+        try:
+            with evaluation_mode(None):  # RNG of everything below is restored on the way out
+                error = None
+                try:
+                    results = self._evaluate(step, consumed_tokens)
+                except Exception as e:  # noqa: BLE001
+                    error = e
+                failures = self._agree(error)
+                if not failures:  # rank 0 publishes; the others wait for its verdict
+                    results.time_s = time.perf_counter() - start
+                    try:
+                        if self.layout.is_main:
+                            self._publish(results, start)
+                    except Exception as e:  # noqa: BLE001
+                        error = e
+                    failures = self._agree(error)
+                if failures:
+                    self._report(step, error, failures)
+                    return None
+                self.evaluated_steps.append(step)
+                return results
+        finally:
+            self._eval_seconds += time.perf_counter() - start
+
+    def _evaluate(self, step: int, consumed_tokens: int | None) -> HookResults:
+        n = len(self._evaluators)
+        order = [(self._next_task + i) % n for i in range(n)]
+        budget = self.config.time_budget_s
+        start = time.perf_counter()
+        scored: dict[str, TaskResult] = {}
+        timings: dict[str, float] = {}
+        skipped: list[str] = []
+        self._next_task = 0
+        for position, index in enumerate(order):
+            if position > 0 and budget is not None:
+                over = time.perf_counter() - start >= budget
+                if any_rank_true(over, None, self.layout.world_size, self.layout.device):  # one verdict for all
+                    skipped = [self.specs[i].key for i in order[position:]]
+                    self._next_task = index
+                    break
+            result = self._evaluators[index].evaluate(step)
+            scored.update(result.tasks)
+            for key, value in result.timings.items():
+                if key not in ("build_s", "evaluate_s"):
+                    timings[key] = timings.get(key, 0.0) + value
+        timings.update(build_s=self.build_seconds, evaluate_s=time.perf_counter() - start)
+        ordered = {s.key: scored[s.key] for s in self.specs if s.key in scored}
+        return HookResults(tasks=ordered, timings=timings, step=step, consumed_tokens=consumed_tokens,
+                           skipped_tasks=skipped)
+
+    def _publish(self, results: HookResults, start: float) -> None:
+        """Rank 0: per-step files, then the JSONL line (its presence means the step's files are complete), then
+        W&B / TensorBoard (best effort)."""
+        step = results.step
+        time_share = (self._eval_seconds + time.perf_counter() - start) / max(time.perf_counter() - self._built_at,
+                                                                             1e-9)
+        step_dir = self.output_dir / f"step_{step}"
+        if self.config.write_details:
+            for key, tr in results.tasks.items():
+                write_jsonl(step_dir / "details" / details_file_name(key), tr.details)
+        write_json(step_dir / "results.json", self._document(results))
+        append_jsonl(self.output_dir / JSONL_NAME, {
+            "step": step,
+            "consumed_tokens": results.consumed_tokens,
+            "time_s": results.time_s,
+            "time_share": time_share,
+            "results": {k: tr.metrics for k, tr in results.tasks.items()},
+            "skipped_tasks": results.skipped_tasks,
+        })
+        flat = self.flat_metrics(results)
+        flat[f"{self.config.metric_prefix}/time_s"] = results.time_s
+        flat[f"{self.config.metric_prefix}/time_share"] = time_share
+        flat[f"{self.config.metric_prefix}/skipped_tasks"] = len(results.skipped_tasks)
+        if self.wandb is not None:
+            self.wandb.log(flat, step=step, consumed_tokens=results.consumed_tokens)
+        if self.tensorboard is not None:
+            if results.consumed_tokens is not None:
+                flat[self.config.tokens_key] = results.consumed_tokens
+            self.tensorboard.log(flat, step=step)
+
+    def flat_metrics(self, results: EvalResults) -> dict[str, float]:
+        """`{"eval/<task key>/<metric>": value}` as logged to W&B and TensorBoard."""
+        out = {}
+        for key, tr in results.tasks.items():
+            for name, value in tr.metrics.items():
+                if name.endswith("_stderr") and not self.config.log_stderr:
+                    continue
+                out[metric_key(self.config.metric_prefix, key, name)] = value
+        return out
+
+    def _document(self, results: HookResults) -> dict:
+        c = self.config
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "nano_eval_version": __version__,
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "step": results.step,
+            "consumed_tokens": results.consumed_tokens,
+            "layout": self.layout.describe(),
+            "config": {"tasks": c.tasks, "max_samples": c.max_samples, "seed": c.seed,
+                       "batch_tokens": c.batch_tokens, "max_batch_size": c.max_batch_size,
+                       "time_budget_s": c.time_budget_s},
+            "task_versions": {k: tr.version for k, tr in results.tasks.items()},
+            "results": {k: tr.metrics for k, tr in results.tasks.items()},
+            "num_docs": {k: tr.num_docs for k, tr in results.tasks.items()},
+            "skipped_docs": {k: tr.skipped_docs for k, tr in results.tasks.items()},
+            "truncated_requests": {k: tr.truncated_requests for k, tr in results.tasks.items()},
+            "skipped_tasks": results.skipped_tasks,
+            "timings": results.timings,
+        }
+
+    # ---- failures ------------------------------------------------------------------------------------------------
+
+    def _agree(self, error: BaseException | None) -> list[tuple[int, str]]:
+        """Collective over the world group: every rank learns which ranks failed, and why.
+
+        One int all-reduce when nothing failed; plus one all_gather_object of the messages when something did."""
+        local = None if error is None else one_line(error, limit=1000)
+        world = self.layout.world_size
+        if world == 1:
+            return [] if local is None else [(self.layout.rank, local)]
+        if not any_rank_true(local is not None, None, world, self.layout.device):
+            return []
+        parts: list[str | None] = [None] * world
+        dist.all_gather_object(parts, local)
+        return [(rank, message) for rank, message in enumerate(parts) if message is not None]
+
+    def _report(self, step: int, error: BaseException | None, failures: list[tuple[int, str]]) -> None:
+        self.failed_steps.append(step)
+        if error is not None:  # the failing rank: full traceback once, later ones at debug level
+            tb = "".join(traceback.format_exception(error))
+            if not self._printed_traceback:
+                self._printed_traceback = True
+                print(f"nano_eval: [rank {self.layout.rank}] evaluation at step {step} raised:\n{tb}",
+                      file=sys.stderr, flush=True)
+            else:
+                logger.debug("evaluation at step %s raised:\n%s", step, tb)
+        message = f"evaluation at step {step} failed on {_describe(failures)}"
+        if not self.config.fail_soft:
+            raise EvalHookError(message) from error
+        if self.layout.is_main:
+            print(f"nano_eval: warning: {message}; training continues (fail_soft=True)", file=sys.stderr, flush=True)
+
+    # ---- end -----------------------------------------------------------------------------------------------------
+
+    @property
+    def time_share(self) -> float:
+        """Share of wall time since the hook was built that was spent inside hook calls."""
+        return self._eval_seconds / max(time.perf_counter() - self._built_at, 1e-9)
+
+    def close(self) -> None:
+        """Finish the W&B run if the hook opened it; close TensorBoard. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        with evaluation_mode(None):
+            if self.wandb is not None:
+                self.wandb.close()
+            if self.tensorboard is not None:
+                self.tensorboard.close()
+
+    def __enter__(self) -> EvalHook:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _describe(failures: list[tuple[int, str]]) -> str:
+    ranks = ", ".join(str(r) for r, _ in failures)
+    first_rank, first = failures[0]
+    more = f" (first: rank {first_rank})" if len(failures) > 1 else ""
+    return f"rank{'s' if len(failures) > 1 else ''} {ranks}{more}: {first}"
+
+
+def _jsonable(value):
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return str(value)
