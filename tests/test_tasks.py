@@ -374,7 +374,7 @@ def test_hellaswag_prompt_on_real_rows():
     assert docs[0].query == "Roof shingle removal: A man is sitting on a roof. He"
     assert docs[0].choices[3] == " starts pulling up roofing on a roof." and docs[0].gold_index == 3
     assert not any("[" in d.query or "  " in d.query for d in docs)
-    assert [m.name for m in task.metrics] == ["acc", "acc_norm"]
+    assert [m.name for m in task.metrics][:2] == ["acc", "acc_norm"]
     try:  # parity with lm-eval's own preprocessing, where it is installed
         from lm_eval.tasks.hellaswag.utils import process_docs
     except Exception:

