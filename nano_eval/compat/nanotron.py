@@ -55,7 +55,7 @@ def import_nanotron():
     return nanotron
 
 
-_NUMPY_SCALAR = re.compile(r"np\.\w+\((-?\d+)\)")
+NUMPY_SCALAR_REPR = re.compile(r"np\.\w+\((-?\d+)\)")  # "np.int64(192)" as numpy 2 prints it
 
 
 def _read_numpy2_shape_metadata() -> None:
@@ -68,7 +68,7 @@ def _read_numpy2_shape_metadata() -> None:
 
     def from_str_dict(cls, dictionary):
         if "unsharded_shape" in dictionary:
-            dictionary = {**dictionary, "unsharded_shape": _NUMPY_SCALAR.sub(r"\1", dictionary["unsharded_shape"])}
+            dictionary = {**dictionary, "unsharded_shape": NUMPY_SCALAR_REPR.sub(r"\1", dictionary["unsharded_shape"])}
         return original(cls, dictionary)
 
     from_str_dict._nano_eval_patched = True

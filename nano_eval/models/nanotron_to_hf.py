@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
+from nano_eval.compat.nanotron import NUMPY_SCALAR_REPR  # no nanotron import: plain regex
 from nano_eval.errors import NanoEvalError
 
 _SHARD_SUFFIX = re.compile(r"_pp-rank-\d+-of-\d+_tp-rank-\d+-of-\d+$")
-_NUMPY_SCALAR = re.compile(r"np\.\w+\((-?\d+)\)")
 
 
 def _slices(text: str) -> tuple[slice, ...]:
@@ -45,7 +45,7 @@ def read_nanotron_weights(checkpoint: str | Path) -> dict[str, torch.Tensor]:
         if "unsharded_shape" not in meta:
             weights[name] = data
             continue
-        shape = tuple(int(x) for x in _NUMPY_SCALAR.sub(r"\1", meta["unsharded_shape"]).strip("()").split(",") if x.strip())
+        shape = tuple(int(x) for x in NUMPY_SCALAR_REPR.sub(r"\1", meta["unsharded_shape"]).strip("()").split(",") if x.strip())
         full = weights.setdefault(name, torch.empty(shape, dtype=data.dtype))
         for pair in meta["local_global_slices_pairs"].split(";"):
             local, global_ = pair.split("#")
