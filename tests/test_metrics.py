@@ -299,3 +299,10 @@ def test_unknown_metric_names_close_match():
         get_metric("pass@0")
     with pytest.raises(ValueError, match="unknown metric"):
         get_metric("zzzzzzzz")
+
+
+def test_acc_golds_likelihood_is_greedy_match_of_a_gold():
+    doc, resp = mc([" a", " b"], 1, [-1.0, -2.0], argmax_logits_eq_gold=[True, False])
+    assert score("acc_golds_likelihood", doc, resp) == 0.0
+    doc, resp = mc([" a", " b"], [0, 1], [-1.0, -2.0], argmax_logits_eq_gold=[True, False])
+    assert score("acc_golds_likelihood", doc, resp) == 1.0

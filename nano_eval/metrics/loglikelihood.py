@@ -56,6 +56,11 @@ def acc_norm(doc: Doc, response: ModelResponse) -> float:
     return _hit(doc, _lls(response) / lengths)
 
 
+def acc_golds_likelihood(doc: Doc, response: ModelResponse) -> float:
+    """1.0 when greedy decoding after the context yields exactly a gold continuation (lm-eval's LAMBADA `acc`)."""
+    return float(any(response.argmax_logits_eq_gold[g] for g in doc.gold_indices()))
+
+
 def acc_norm_token(doc: Doc, response: ModelResponse) -> float:
     """Log-prob per token of the choice, which does not depend on how the tokenizer spells characters."""
     return _hit(doc, _lls(response) / np.asarray(response.continuation_token_counts, dtype=np.float64))

@@ -18,6 +18,7 @@ _ALL = [
     Metric(name="acc", request_type=_LL, sample_fn=ll.acc, corpus_fn=mean),
     Metric(name="acc_norm", request_type=_LL, sample_fn=ll.acc_norm, corpus_fn=mean),
     Metric(name="acc_norm_token", request_type=_LL, sample_fn=ll.acc_norm_token, corpus_fn=mean),
+    Metric(name="acc_golds_likelihood", request_type=_LL, sample_fn=ll.acc_golds_likelihood, corpus_fn=mean),
     Metric(name="acc_norm_pmi", request_type=_LL, sample_fn=ll.acc_norm_pmi, corpus_fn=mean, needs_unconditioned=True),
     Metric(name="prob_gold", request_type=_LL, sample_fn=ll.prob_gold, corpus_fn=mean),
     Metric(name="prob_norm_gold", request_type=_LL, sample_fn=ll.prob_norm_gold, corpus_fn=mean),

@@ -11,6 +11,5 @@ from __future__ import annotations
 
 from nano_eval.tasks.config import TaskConfig
 from nano_eval.tasks.suite import TASKS
-from nano_eval.tasks.suite.choice_prompts import arc, hellaswag, piqa  # noqa: F401  (their former home)
 
 TASKS_TABLE: list[TaskConfig] = list(TASKS)

@@ -15,8 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from nano_eval.metrics.metric import Metric, mean
-from nano_eval.requests import Doc, RequestType
 from nano_eval.tasks.config import TaskConfig
 from nano_eval.tasks.suite import choice_prompts as cp
 from nano_eval.tasks.suite import text_prompts as tp
@@ -40,16 +38,6 @@ MMLU_SUBJECTS = (
     "moral_scenarios nutrition philosophy prehistory professional_accounting professional_law professional_medicine "
     "professional_psychology public_relations security_studies sociology us_foreign_policy virology world_religions"
 ).split()
-
-
-def _gold_is_greedy(doc: Doc, response) -> float:
-    """1.0 when greedy decoding after the context yields exactly the gold continuation (lm-eval's LAMBADA `acc`)."""
-    return float(any(response.argmax_logits_eq_gold[g] for g in doc.gold_indices()))
-
-
-# lighteval's name for it; not in the metrics registry yet, so the suite passes the Metric object itself.
-ACC_GOLDS_LIKELIHOOD = Metric(name="acc_golds_likelihood", request_type=RequestType.LOGLIKELIHOOD,
-                              sample_fn=_gold_is_greedy, corpus_fn=mean)
 
 
 @dataclass(frozen=True)
@@ -110,7 +98,7 @@ def family_tasks(family: Family) -> list[TaskConfig]:
 
 TEXT_TASKS: list[TaskConfig] = [
     TaskConfig(name="lambada:openai", prompt_function=tp.lambada, hf_repo="EleutherAI/lambada_openai",
-               hf_subset="default", metrics=(ACC_GOLDS_LIKELIHOOD, "target_perplexity", "bits_per_byte_gold"),
+               hf_subset="default", metrics=("acc_golds_likelihood", "target_perplexity", "bits_per_byte_gold"),
                hf_avail_splits=("test",), evaluation_splits=("test",), suite=SUITE, version=VERSION),
     TaskConfig(name="gsm8k", prompt_function=tp.gsm8k, hf_repo="openai/gsm8k", hf_subset="main",
                metrics=("gsm8k_match",), hf_avail_splits=("train", "test"), evaluation_splits=("test",),
