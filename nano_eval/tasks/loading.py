@@ -77,10 +77,6 @@ def _load_saved(path: Path, split: str) -> list[dict] | None:
     return data.to_list()
 
 
-def _search_root(root: Path, config: TaskConfig, split: str, tried: list[str]) -> list[dict] | None:
-    return search_folder(root, config.hf_subset, split, tried)
-
-
 def search_folder(root: Path, subset: str | None, split: str, tried: list[str]) -> list[dict] | None:
     """Rule 3 of the module docstring for an explicit subset; every location looked at is appended to `tried`."""
     for sub in [*_subset_dirs(subset), ""]:
@@ -114,7 +110,7 @@ def _load_local(path: Path, config: TaskConfig, split: str, tried: list[str]) ->
         rows = _load_saved(path, split)
         if rows is not None:
             return rows
-    return _search_root(path, config, split, tried)
+    return search_folder(path, config.hf_subset, split, tried)
 
 
 def _looks_like_path(repo: str) -> bool:
@@ -166,7 +162,7 @@ def load_split(config: TaskConfig, split: str, data_dir: str | os.PathLike | Non
     rows = None
     if data_dir is not None:
         root = Path(data_dir).expanduser()
-        rows = _search_root(root / config.hf_repo, config, split, tried)
+        rows = search_folder(root / config.hf_repo, config.hf_subset, split, tried)
         for fallback in _MIRROR_FALLBACKS:
             if rows is not None:
                 break
