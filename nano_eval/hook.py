@@ -9,7 +9,7 @@ hook.close()
 ```
 
 Every rank calls the hook at the same steps (`should_run` depends on the step only); every rank gets the same
-`HookResults`; global rank 0 writes `<output_dir>/eval_results.jsonl` (one fsynced line per evaluation),
+`HookResults`; global rank 0 (or `publish_rank`) writes `<output_dir>/eval_results.jsonl` (one fsynced line per evaluation),
 `<output_dir>/step_<N>/results.json` (atomic), and logs to W&B / TensorBoard.
 
 Training is not changed by an evaluation: the model is scored in eval mode under no_grad and every module's
@@ -64,6 +64,9 @@ class EvalHookConfig:
     data_dir: str | None = None  # offline data mirror
     seed: int = 0  # few-shot sampling seed
     fail_soft: bool = True  # True: a failed evaluation is reported and training goes on; False: every rank raises
+    # The global rank that writes the files and logs to W&B/TensorBoard (results are the same on every rank).
+    # Set it to the rank that holds the trainer's W&B run: nanotron logs from the first rank of the last PP stage.
+    publish_rank: int = 0
     write_details: bool = False  # per-sample details under step_<N>/details/
     progress: bool = False
     # W&B. wandb=None: log into the trainer's wandb.run if one is open, else open a run only if wandb_project is set.
@@ -88,6 +91,8 @@ class EvalHookConfig:
             raise ValueError(f"time_budget_s must be >= 0 or None, got {self.time_budget_s}")
         if self.max_samples is not None and self.max_samples <= 0:
             raise ValueError(f"max_samples must be positive or None, got {self.max_samples}")
+        if self.publish_rank < 0:
+            raise ValueError(f"publish_rank must be a global rank >= 0, got {self.publish_rank}")
 
 
 @dataclass
@@ -129,6 +134,9 @@ class EvalHook:
         Collective: every rank must build the hook. If building fails on any rank, it raises on every rank."""
         start = time.perf_counter()
         self.config, self.backend, self.layout = config, backend, backend.layout
+        if config.publish_rank >= self.layout.world_size:
+            raise ValueError(f"publish_rank={config.publish_rank} but the job has {self.layout.world_size} ranks")
+        self.is_publisher = self.layout.rank == config.publish_rank
         self.output_dir = Path(config.output_dir)
         self.failed_steps: list[int] = []
         self.evaluated_steps: list[int] = []
@@ -150,7 +158,7 @@ class EvalHook:
                 if error is not None:
                     raise error
                 raise EvalHookError(f"building the evaluation hook failed on {_describe(failures)}")
-            if self.layout.is_main:
+            if self.is_publisher:
                 self.wandb = WandbLogger(
                     enabled=config.wandb,
                     project=config.wandb_project,
@@ -201,6 +209,11 @@ class EvalHook:
 
     # ---- schedule ------------------------------------------------------------------------------------------------
 
+    @property
+    def last_step(self) -> int | None:
+        """The step of the latest call (evaluated or failed); None before the first."""
+        return self._last_step
+
     def should_run(self, step: int) -> bool:
         """True at every_n_steps multiples (step > 0) and at also_at_steps, once per step."""
         if step == self._last_step:
@@ -233,7 +246,7 @@ class EvalHook:
                 if not failures:  # rank 0 publishes; the others wait for its verdict
                     results.time_s = time.perf_counter() - start
                     try:
-                        if self.layout.is_main:
+                        if self.is_publisher:
                             self._publish(results, start)
                     except Exception as e:  # noqa: BLE001
                         error = e
@@ -362,7 +375,7 @@ class EvalHook:
         message = f"evaluation at step {step} failed on {_describe(failures)}"
         if not self.config.fail_soft:
             raise EvalHookError(message) from error
-        if self.layout.is_main:
+        if self.is_publisher:
             print(f"nano_eval: warning: {message}; training continues (fail_soft=True)", file=sys.stderr, flush=True)
 
     # ---- end -----------------------------------------------------------------------------------------------------

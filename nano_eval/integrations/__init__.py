@@ -1,0 +1,1 @@
+"""Glue between nano_eval and training frameworks (nanotron trainer mixin, ...)."""
