@@ -20,20 +20,19 @@ anything (scoring, W&B, file writes) and restored after; gradients and optimizer
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Mapping
 
 import torch.distributed as dist
 
 from nano_eval import __version__
 from nano_eval.engine import BatchingConfig
 from nano_eval.evaluator import EvalConfig, EvalResults, Evaluator, TaskResult
+from nano_eval.hook_config import EvalHookConfig, sample_caps
 from nano_eval.models.base import Backend, evaluation_mode
 from nano_eval.parallel import any_rank_true
 from nano_eval.tracking.files import SCHEMA_VERSION, details_file_name, write_json, write_jsonl
@@ -43,56 +42,6 @@ from nano_eval.tracking.wandb_logger import TensorBoardLogger, WandbLogger, metr
 logger = logging.getLogger(__name__)
 
 JSONL_NAME = "eval_results.jsonl"
-
-
-@dataclass(frozen=True, kw_only=True)
-class EvalHookConfig:
-    """What to evaluate, when, and where results go. Scores never depend on batch_tokens / max_batch_size."""
-
-    tasks: str  # "suite|task|k,suite|task|k" or a file with one spec per line
-    every_n_steps: int | None = None  # evaluate at steps N, 2N, ... (never at step 0 unless listed below)
-    also_at_steps: tuple[int, ...] = ()  # extra steps, e.g. (1,) for an early sanity check
-    max_samples: int | None = None  # first K documents of each task (dataset order): the same for every layout
-    # Soft wall-clock budget per evaluation, checked between tasks: once it is spent, the remaining tasks are
-    # skipped (all ranks agree; results name them) and the next evaluation starts with the first skipped task.
-    # A task that has started always finishes, so every scored task scores the same documents on every layout.
-    time_budget_s: float | None = None
-    batch_tokens: int = BatchingConfig.max_batch_tokens
-    max_batch_size: int = BatchingConfig.max_batch_size
-    output_dir: str | os.PathLike = "nano_eval_results"
-    custom_tasks: str | None = None  # Python file defining TASKS_TABLE
-    data_dir: str | None = None  # offline data mirror
-    seed: int = 0  # few-shot sampling seed
-    fail_soft: bool = True  # True: a failed evaluation is reported and training goes on; False: every rank raises
-    # The global rank that writes the files and logs to W&B/TensorBoard (results are the same on every rank).
-    # Set it to the rank that holds the trainer's W&B run: nanotron logs from the first rank of the last PP stage.
-    publish_rank: int = 0
-    write_details: bool = False  # per-sample details under step_<N>/details/
-    progress: bool = False
-    # W&B. wandb=None: log into the trainer's wandb.run if one is open, else open a run only if wandb_project is set.
-    wandb: bool | None = None
-    wandb_project: str | None = None
-    wandb_entity: str | None = None
-    wandb_run_name: str | None = None
-    wandb_mode: str | None = None  # "online" / "offline" / "disabled"; None: WANDB_MODE or W&B's default
-    wandb_dir: str | None = None  # where W&B writes its run folder; default: output_dir
-    wandb_init_kwargs: Mapping[str, Any] | None = None  # anything else for wandb.init
-    step_key: str = "train/step"  # W&B x-axis of every eval metric
-    tokens_key: str = "train/consumed_tokens"
-    metric_prefix: str = "eval"
-    log_stderr: bool = False  # also send "<metric>_stderr" to W&B/TensorBoard (always in the local files)
-    tensorboard_dir: str | None = None  # write TensorBoard scalars here (needs the tensorboard package)
-
-    def __post_init__(self):
-        object.__setattr__(self, "also_at_steps", tuple(int(s) for s in self.also_at_steps))
-        if self.every_n_steps is not None and self.every_n_steps <= 0:
-            raise ValueError(f"every_n_steps must be a positive integer or None, got {self.every_n_steps}")
-        if self.time_budget_s is not None and self.time_budget_s < 0:
-            raise ValueError(f"time_budget_s must be >= 0 or None, got {self.time_budget_s}")
-        if self.max_samples is not None and self.max_samples <= 0:
-            raise ValueError(f"max_samples must be positive or None, got {self.max_samples}")
-        if self.publish_rank < 0:
-            raise ValueError(f"publish_rank must be a global rank >= 0, got {self.publish_rank}")
 
 
 @dataclass
@@ -196,16 +145,16 @@ class EvalHook:
             specs = registry.parse_specs(self.config.tasks)
             task_dict = registry.get_task_dict(specs, data_dir=self.config.data_dir)
             tasks = [(s, task_dict[s.full_name]) for s in specs]
-        eval_config = EvalConfig(
-            max_samples=self.config.max_samples,
-            seed=self.config.seed,
-            batching=BatchingConfig(max_batch_tokens=self.config.batch_tokens,
-                                    max_batch_size=self.config.max_batch_size),
-            progress=self.config.progress,
-        )
+        specs = [spec for spec, _ in tasks]
+        caps = sample_caps(specs, self.config.max_samples, self.config.max_samples_per_task)
+        batching = BatchingConfig(max_batch_tokens=self.config.batch_tokens, max_batch_size=self.config.max_batch_size)
         # One Evaluator per task, so that a time budget can stop between tasks.
-        evaluators = [Evaluator(self.backend, [(spec, task)], eval_config) for spec, task in tasks]
-        return [spec for spec, _ in tasks], evaluators
+        evaluators = [
+            Evaluator(self.backend, [(spec, task)],
+                      EvalConfig(max_samples=cap, seed=self.config.seed, batching=batching, progress=self.config.progress))
+            for (spec, task), cap in zip(tasks, caps)
+        ]
+        return specs, evaluators
 
     # ---- schedule ------------------------------------------------------------------------------------------------
 
@@ -334,7 +283,8 @@ class EvalHook:
             "step": results.step,
             "consumed_tokens": results.consumed_tokens,
             "layout": self.layout.describe(),
-            "config": {"tasks": c.tasks, "max_samples": c.max_samples, "seed": c.seed,
+            "config": {"tasks": c.tasks, "max_samples": c.max_samples,
+                       "max_samples_per_task": dict(c.max_samples_per_task or {}), "seed": c.seed,
                        "batch_tokens": c.batch_tokens, "max_batch_size": c.max_batch_size,
                        "time_budget_s": c.time_budget_s},
             "task_versions": {k: tr.version for k, tr in results.tasks.items()},

@@ -211,3 +211,13 @@ def test_failures_are_agreed_by_all_ranks(toy_checkpoint, tmp_path):
             "raised: evaluation at step 3 failed on ranks 0, 1 (first: rank 0): RuntimeError: injected forward")
     assert per_rank[0] == per_rank[1]  # every rank took the same branch with the same message
     assert [r["step"] for r in read_jsonl(tmp_path / "soft_True" / "eval_results.jsonl")] == [1, 4]
+
+
+def test_per_task_sample_caps(toy_backend, tmp_path):
+    config = EvalHookConfig(tasks=TASKS, every_n_steps=1, max_samples=3, output_dir=tmp_path,
+                            max_samples_per_task={"demo|arithmetic_gen": 2})
+    results = EvalHook(config, toy_backend)(1)
+    assert {k: tr.num_docs for k, tr in results.tasks.items()} == {"demo|arithmetic|0": 3, "demo|arithmetic_gen|3": 2}
+    with pytest.raises(ValueError, match="names no evaluated task: demo|arithmetc"):
+        EvalHook(EvalHookConfig(tasks=TASKS, max_samples_per_task={"demo|arithmetc": 2}, output_dir=tmp_path),
+                 toy_backend)

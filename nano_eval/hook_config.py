@@ -1,0 +1,82 @@
+"""What the in-training evaluation hook evaluates, when, and where its results go (see nano_eval/hook.py)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from nano_eval.engine import BatchingConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalHookConfig:
+    """What to evaluate, when, and where results go. Scores never depend on batch_tokens / max_batch_size."""
+
+    tasks: str  # "suite|task|k,suite|task|k" or a file with one spec per line
+    every_n_steps: int | None = None  # evaluate at steps N, 2N, ... (never at step 0 unless listed below)
+    also_at_steps: tuple[int, ...] = ()  # extra steps, e.g. (1,) for an early sanity check
+    max_samples: int | None = None  # first K documents of each task (dataset order): the same for every layout
+    # Per-task caps that override max_samples, keyed by "suite|task|k", "suite|task" or the task name,
+    # e.g. {"lighteval|hellaswag": 1000, "gsm8k": 100}: cheap tasks in full, expensive ones sampled.
+    max_samples_per_task: Mapping[str, int] | None = None
+    # Soft wall-clock budget per evaluation, checked between tasks: once it is spent, the remaining tasks are
+    # skipped (all ranks agree; results name them) and the next evaluation starts with the first skipped task.
+    # A task that has started always finishes, so every scored task scores the same documents on every layout.
+    time_budget_s: float | None = None
+    batch_tokens: int = BatchingConfig.max_batch_tokens
+    max_batch_size: int = BatchingConfig.max_batch_size
+    output_dir: str | os.PathLike = "nano_eval_results"
+    custom_tasks: str | None = None  # Python file defining TASKS_TABLE
+    data_dir: str | None = None  # offline data mirror
+    seed: int = 0  # few-shot sampling seed
+    fail_soft: bool = True  # True: a failed evaluation is reported and training goes on; False: every rank raises
+    # The global rank that writes the files and logs to W&B/TensorBoard (results are the same on every rank).
+    # Set it to the rank that holds the trainer's W&B run: nanotron logs from the first rank of the last PP stage.
+    publish_rank: int = 0
+    write_details: bool = False  # per-sample details under step_<N>/details/
+    progress: bool = False
+    # W&B. wandb=None: log into the trainer's wandb.run if one is open, else open a run only if wandb_project is set.
+    wandb: bool | None = None
+    wandb_project: str | None = None
+    wandb_entity: str | None = None
+    wandb_run_name: str | None = None
+    wandb_mode: str | None = None  # "online" / "offline" / "disabled"; None: WANDB_MODE or W&B's default
+    wandb_dir: str | None = None  # where W&B writes its run folder; default: output_dir
+    wandb_init_kwargs: Mapping[str, Any] | None = None  # anything else for wandb.init
+    step_key: str = "train/step"  # W&B x-axis of every eval metric
+    tokens_key: str = "train/consumed_tokens"
+    metric_prefix: str = "eval"
+    log_stderr: bool = False  # also send "<metric>_stderr" to W&B/TensorBoard (always in the local files)
+    tensorboard_dir: str | None = None  # write TensorBoard scalars here (needs the tensorboard package)
+
+    def __post_init__(self):
+        object.__setattr__(self, "also_at_steps", tuple(int(s) for s in self.also_at_steps))
+        if self.every_n_steps is not None and self.every_n_steps <= 0:
+            raise ValueError(f"every_n_steps must be a positive integer or None, got {self.every_n_steps}")
+        if self.time_budget_s is not None and self.time_budget_s < 0:
+            raise ValueError(f"time_budget_s must be >= 0 or None, got {self.time_budget_s}")
+        if self.max_samples is not None and self.max_samples <= 0:
+            raise ValueError(f"max_samples must be positive or None, got {self.max_samples}")
+        for key, cap in (self.max_samples_per_task or {}).items():
+            if not isinstance(cap, int) or cap <= 0:
+                raise ValueError(f"max_samples_per_task[{key!r}] must be a positive integer, got {cap!r}")
+        if self.publish_rank < 0:
+            raise ValueError(f"publish_rank must be a global rank >= 0, got {self.publish_rank}")
+
+
+def sample_caps(specs: list, default: int | None, per_task: Mapping[str, int] | None) -> list[int | None]:
+    """The document cap of each task: the most specific key of `per_task` that names it, else `default`.
+    A key that names no task is an error (a typo must not silently evaluate a task in full)."""
+    per_task = dict(per_task or {})
+    caps, used = [], set()
+    for spec in specs:
+        names = (spec.key, spec.full_name, spec.task)
+        key = next((k for k in names if k in per_task), None)
+        used.add(key)
+        caps.append(per_task[key] if key is not None else default)
+    unknown = sorted(set(per_task) - used)
+    if unknown:
+        known = ", ".join(s.key for s in specs)
+        raise ValueError(f"max_samples_per_task names no evaluated task: {', '.join(unknown)} (tasks: {known})")
+    return caps
