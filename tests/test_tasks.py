@@ -397,3 +397,19 @@ def test_arc_and_piqa_prompts_on_real_rows():
     assert piqa[0].query.startswith("Question: How do I ready a guinea pig cage") and len(piqa[0].choices) == 2
     docs, reqs = build_requests(reg.get_task_instance("lighteval|arc:easy", data_dir=OLMO), 0, max_samples=3)
     assert reqs[0].context == easy[0].query and reqs[0].choice == " cellular telephone"
+
+
+def test_offline_switch_skips_the_hub_at_once(monkeypatch):
+    from nano_eval.tasks.config import TaskConfig
+    from nano_eval.tasks.loading import hub_unreachable, load_split
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    hub_unreachable.cache_clear()
+    config = TaskConfig(name="remote", prompt_function=lambda line, task_name=None: None, hf_repo="someone/some_data",
+                        metrics=["acc"])
+    try:
+        with pytest.raises(NanoEvalError, match="Hub is unreachable: HF_HUB_OFFLINE is set"):
+            load_split(config, "test")
+    finally:
+        monkeypatch.delenv("HF_HUB_OFFLINE")
+        hub_unreachable.cache_clear()
