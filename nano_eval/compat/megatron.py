@@ -1,0 +1,117 @@
+"""Everything nano_eval needs to know about megatron-core's versions, in one module.
+
+- The layout comes from `megatron.core.parallel_state` (every release up to 0.16 and later), or from a
+  `ProcessGroupCollection` (`pg_collection`, with `.tp`, `.pp`, `.dp` groups) that newer releases pass around
+  instead of the global state. Context parallelism splits sequences over ranks: not supported for scoring.
+- `get_forward_backward_func` and the schedule it returns gained keyword arguments over releases
+  (`pg_collection`, `p2p_communicator`, `adjust_tensor_shapes_fn`; 0.20 adds `schedule_pg_collection` to the
+  getter): `call_schedule` passes only the keywords the installed schedule accepts.
+- On CPU/gloo, `initialize_model_parallel` and the tensor-parallel layers work; GPTModel's forward, the pipeline
+  schedules and their P2P need CUDA. `initialize_cpu_model_parallel` is for tests and CPU examples.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch.distributed as dist
+
+from nano_eval.errors import NanoEvalError
+from nano_eval.parallel import ParallelLayout
+
+
+def import_megatron_core():
+    """Import megatron.core, or say how to install it."""
+    try:
+        from megatron.core import parallel_state
+    except ImportError as e:
+        raise NanoEvalError(
+            "megatron-core is not installed. Fix: pip install 'nano_eval[megatron]' (megatron-core>=0.16)."
+        ) from e
+    return parallel_state
+
+
+def megatron_core_version() -> tuple[int, int, int]:
+    from megatron.core import package_info
+
+    return package_info.MAJOR, package_info.MINOR, package_info.PATCH
+
+
+def _rank_and_size(group) -> tuple[int, int]:
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def layout_from_megatron(pg_collection=None, device: str | None = None) -> ParallelLayout:
+    """ParallelLayout view of Megatron's process groups (parallel_state, or a ProcessGroupCollection).
+
+    Logits come out of the last pipeline stage (output_pp_rank = pp - 1); inputs enter on the first.
+    device: where collective buffers live; default "cuda" under nccl, "cpu" otherwise.
+    """
+    ps = import_megatron_core()
+    if pg_collection is not None:
+        tp_group, pp_group, dp_group = pg_collection.tp, pg_collection.pp, pg_collection.dp
+        cp_size = dist.get_world_size(pg_collection.cp) if getattr(pg_collection, "cp", None) is not None else 1
+    else:
+        if not ps.model_parallel_is_initialized():
+            raise NanoEvalError(
+                "megatron parallel_state is not initialised. Fix: call "
+                "megatron.core.parallel_state.initialize_model_parallel(...) (pretrain does) before building "
+                "the MegatronModel backend, or pass pg_collection."
+            )
+        tp_group, pp_group = ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group()
+        dp_group = ps.get_data_parallel_group(with_context_parallel=False)
+        cp_size = ps.get_context_parallel_world_size()
+    if cp_size > 1:
+        raise NanoEvalError(
+            f"context parallelism (cp={cp_size}) splits each sequence over ranks; nano_eval scores whole rows. "
+            "Fix: evaluate a checkpoint of this run with cp=1 (run.py --checkpoint <iter_XXXXXXX>)."
+        )
+    (tp_rank, tp), (pp_rank, pp), (dp_rank, dp) = map(_rank_and_size, (tp_group, pp_group, dp_group))
+    world = dist.get_world_size()
+    if tp * pp * dp != world:  # expert parallelism or a partial layout: the degrees do not cover the world
+        raise NanoEvalError(
+            f"megatron layout tp={tp} x pp={pp} x dp={dp} = {tp * pp * dp} does not cover world_size={world} "
+            "(context or expert parallelism?). Fix: score a checkpoint with cp=1 and no expert parallelism."
+        )
+    if device is None:
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    return ParallelLayout(
+        rank=dist.get_rank(), world_size=world,
+        dp_rank=dp_rank, dp_size=dp, dp_group=dp_group,
+        tp_rank=tp_rank, tp_size=tp, tp_group=tp_group,
+        pp_rank=pp_rank, pp_size=pp, pp_group=pp_group,
+        input_pp_rank=0, output_pp_rank=pp - 1,
+        device=device,
+    )
+
+
+def initialize_cpu_model_parallel(tp: int = 1, pp: int = 1) -> None:
+    """parallel_state on gloo (torch.distributed must be initialised); dp = world / (tp x pp). CPU tests only:
+    gloo sub-groups are skipped because the default backend already is gloo."""
+    ps = import_megatron_core()
+    kwargs = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp}
+    if "create_gloo_process_groups" in inspect.signature(ps.initialize_model_parallel).parameters:
+        kwargs["create_gloo_process_groups"] = False
+    ps.initialize_model_parallel(**kwargs)
+
+
+def unwrap(module):
+    """The model inside Megatron's wrappers (DistributedDataParallel, Float16Module, FSDP: all keep `.module`)."""
+    while hasattr(module, "module") and module.module is not module:
+        module = module.module
+    return module
+
+
+def call_schedule(forward_step_func, data_iterator, chunks: list, *, num_microbatches: int, seq_length: int,
+                  micro_batch_size: int) -> list:
+    """Megatron's pipeline schedule in forward-only mode, collecting what the forward step's "loss function"
+    returns on the last stage (non-loss data); [] on the other stages. GPU-only (P2P allocates on CUDA)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    schedule = get_forward_backward_func()
+    kwargs = dict(forward_step_func=forward_step_func, data_iterator=data_iterator,
+                  model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=num_microbatches,
+                  seq_length=seq_length, micro_batch_size=micro_batch_size, decoder_seq_length=seq_length,
+                  forward_only=True, collect_non_loss_data=True)
+    accepted = inspect.signature(schedule).parameters
+    return schedule(**{k: v for k, v in kwargs.items() if k in accepted})

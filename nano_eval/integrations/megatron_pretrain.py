@@ -1,0 +1,138 @@
+"""nano_eval inside Megatron-LM's `pretrain`: benchmark scores of the live model at every validation.
+
+```python
+from nano_eval.integrations.megatron_pretrain import make_non_loss_data_func
+from nano_eval.hook import EvalHookConfig
+
+nano_eval_hook = make_non_loss_data_func(EvalHookConfig(tasks="lighteval|hellaswag|0", max_samples=500,
+                                                        output_dir="eval", wandb_project="my-run"), tokenizer)
+pretrain(..., forward_step_func, non_loss_data_func=nano_eval_hook)  # keyword: positions differ across releases
+nano_eval_hook.close()
+```
+
+The route, and why:
+- `pretrain` -> `train` -> `evaluate_and_print_results` -> `evaluate(...)` calls `non_loss_data_func(model)` on
+  EVERY rank, at every `--eval-interval` iteration (and after training), once Megatron's own validation loss
+  loop is done, with the model chunks in eval mode under torch.no_grad. Every TP/PP/DP rank is there, so our
+  collectives (TP reductions, the PP schedule, the DP gather) all have their peers. It only runs when validation
+  runs: a validation set and `--eval-iters > 0`.
+- Not `process_non_loss_data_func`: Megatron runs its forward_backward_func for it on the last rank only
+  (`is_last_rank()`) and then calls it there with a TensorBoard writer; a model split over TP or PP would wait
+  forever for the other ranks, and it only sees Megatron's own validation batches.
+- `model` is the trainer's list of chunks (DDP / Float16Module wrapped); the first call builds a `MegatronModel`
+  around it and an `EvalHook` (tasks tokenised once), later calls only score. The iteration comes from
+  `megatron.training.get_args()` (`curr_iteration`) or a callable you pass; consumed tokens are
+  `consumed_train_samples x seq_length` when Megatron counts samples, else `iteration x global_batch_size x
+  seq_length`. Failures follow EvalHookConfig.fail_soft (training goes on by default).
+- Tasks are loaded when the hook is made, before training starts: a typo in a task spec or missing data stops the
+  job at start-up, not at the first validation hours later. Building the scorer around the model happens at the
+  first call; if that fails with fail_soft, the failure is reported and the next validation tries again.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+from nano_eval.compat.megatron import unwrap
+from nano_eval.hook import EvalHook, EvalHookConfig, HookResults
+from nano_eval.tracking.wandb_logger import one_line
+
+
+def _megatron_args():
+    """Megatron-LM's global args, or None where Megatron-LM (megatron.training) is not installed."""
+    try:
+        from megatron.training import get_args
+    except ImportError:
+        return None
+    return get_args()
+
+
+def consumed_tokens(args, iteration: int) -> int | None:
+    """Tokens trained on so far: counted samples x seq_length, else iteration x global batch x seq_length."""
+    seq = getattr(args, "seq_length", None)
+    if seq is None:
+        return None
+    samples = getattr(args, "consumed_train_samples", None)
+    if samples:
+        return int(samples) * seq
+    gbs = getattr(args, "global_batch_size", None)
+    return iteration * gbs * seq if gbs else None
+
+
+class MegatronEvalHook:
+    """`non_loss_data_func` for Megatron-LM's pretrain: `hook(model)` evaluates at the current iteration."""
+
+    def __init__(self, config: EvalHookConfig, tokenizer, *, max_length: int | None = None,
+                 get_iteration: Callable[[], int] | None = None, tokens_per_iteration: int | None = None,
+                 micro_batch_size: int | None = None, pg_collection=None):
+        """get_iteration: where the step comes from without Megatron-LM's get_args (tests, custom loops);
+        tokens_per_iteration: global batch x seq length, used with get_iteration."""
+        self.config, self.tokenizer, self.max_length = config, tokenizer, max_length
+        self.get_iteration, self.tokens_per_iteration = get_iteration, tokens_per_iteration
+        self.micro_batch_size, self.pg_collection = micro_batch_size, pg_collection
+        self.hook: EvalHook | None = None
+        self.backend = None
+        self.tasks = load_tasks(config)  # before training: bad specs and missing data fail here, at once
+
+    def __call__(self, model) -> HookResults | None:
+        """Called by Megatron's evaluate() on every rank. Returns the results (None if it failed, fail_soft)."""
+        step, tokens = self._progress()
+        if self.hook is None:
+            try:
+                self._build(model)
+            except Exception as e:  # EvalHook agrees on build failures: every rank lands here together
+                if not self.config.fail_soft:
+                    raise
+                print(f"nano_eval: warning: building the evaluation at iteration {step} failed: {one_line(e)}; "
+                      "training continues (fail_soft=True) and the next validation tries again", file=sys.stderr)
+                return None
+        return self.hook(step, tokens)
+
+    def _build(self, model) -> None:
+        from nano_eval.models.megatron_model import MegatronModel
+
+        chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+        args = _megatron_args()
+        max_length = (self.max_length or getattr(unwrap(chunks[0]), "max_sequence_length", None)
+                      or getattr(args, "seq_length", None))
+        if not max_length:
+            raise ValueError("cannot tell the model's context length. Fix: pass max_length=... to the hook.")
+        self.backend = MegatronModel(chunks, self.tokenizer, max_length=max_length, pg_collection=self.pg_collection,
+                                     micro_batch_size=self.micro_batch_size)
+        self.hook = EvalHook(self.config, self.backend, tasks=self.tasks)  # collective: every rank builds it
+
+    def _progress(self) -> tuple[int, int | None]:
+        if self.get_iteration is not None:
+            step = int(self.get_iteration())
+            return step, step * self.tokens_per_iteration if self.tokens_per_iteration else None
+        args = _megatron_args()
+        if args is None:
+            raise RuntimeError("megatron.training is not importable, so the iteration is unknown. "
+                               "Fix: pass get_iteration=... to make_non_loss_data_func.")
+        step = int(getattr(args, "curr_iteration", None) or getattr(args, "iteration", 0))
+        return step, consumed_tokens(args, step)
+
+    def close(self) -> None:
+        if self.hook is not None:
+            self.hook.close()
+
+
+def load_tasks(config: EvalHookConfig) -> list:
+    """[(TaskSpec, Task)] with their documents loaded, from the hook config's task specs."""
+    from nano_eval.tasks import Registry, load_datasets
+
+    registry = Registry(custom_tasks=config.custom_tasks)
+    specs = registry.parse_specs(config.tasks)
+    task_dict = registry.get_task_dict(specs, data_dir=config.data_dir)
+    load_datasets(task_dict, processes=min(8, len(task_dict)))
+    return [(spec, task_dict[spec.full_name]) for spec in specs]
+
+
+def make_non_loss_data_func(config: EvalHookConfig, tokenizer, *, max_length: int | None = None,
+                            get_iteration: Callable[[], int] | None = None, tokens_per_iteration: int | None = None,
+                            micro_batch_size: int | None = None, pg_collection=None) -> MegatronEvalHook:
+    """The callable to pass as `pretrain(..., non_loss_data_func=...)`; see MegatronEvalHook for the options."""
+    return MegatronEvalHook(config, tokenizer, max_length=max_length, get_iteration=get_iteration,
+                            tokens_per_iteration=tokens_per_iteration, micro_batch_size=micro_batch_size,
+                            pg_collection=pg_collection)

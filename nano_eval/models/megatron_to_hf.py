@@ -1,0 +1,246 @@
+"""Read a Megatron Llama-style GPT checkpoint (legacy `torch` format, any TP x PP) into transformers' LlamaForCausalLM.
+
+So a Megatron checkpoint can be scored without Megatron, a GPU or a process group. The legacy layout:
+`iter_0001000/mp_rank_{tp:02d}[_{pp:03d}]/model_optim_rng.pt`, each a dict with `model` (that rank's GPTModel
+state dict), `args` (Megatron's argparse.Namespace), `iteration`, and optimizer / RNG state we do not need.
+
+What differs from transformers' Llama, and how we undo it:
+- TP shards: column-parallel weights (embedding, linear_qkv, linear_fc1, output_layer) are split by rows, row-parallel
+  ones (linear_proj, linear_fc2) by columns; norms are replicated.
+- `linear_qkv` rows are grouped per query group: for each group g, [its q heads | k_g | v_g] (TP splits whole groups).
+- `linear_fc1` (swiglu) holds [gate shard | up shard] on each TP rank, so it is un-fused shard by shard.
+- PP stages number their layers from 0; stage p's layers follow stage p-1's.
+- norms fused into the next linear (Transformer Engine spec) are saved as `linear_qkv.layer_norm_weight` /
+  `linear_fc1.layer_norm_weight`; the local spec saves `input_layernorm.weight` / `pre_mlp_layernorm.weight`.
+- RoPE rotates halves by default, as transformers does; `rotary_interleaved=True` checkpoints get their q/k rows
+  permuted per head.
+The vocabulary stays padded (`padded_vocab_size` rows), as Megatron's own softmax sees it.
+"""
+
+from __future__ import annotations
+
+import re
+from argparse import Namespace
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from nano_eval.errors import NanoEvalError
+
+SHARD_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
+LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+COLUMN_PARALLEL = ("embedding.word_embeddings.weight", "output_layer.weight", "linear_qkv.weight")
+ROW_PARALLEL = ("linear_proj.weight", "linear_fc2.weight")
+
+
+def _safe_globals() -> list:
+    """What a legacy checkpoint pickles besides tensors: Megatron's args (argparse.Namespace, with a few enums and
+    paths), and numpy arrays in the RNG state. With megatron-core installed, its own allow-list (the classes
+    Megatron itself loads with weights_only=True); never weights_only=False."""
+    import pathlib
+    import types
+
+    allowed = [Namespace, types.SimpleNamespace, pathlib.PosixPath]
+    try:
+        import numpy as np
+
+        allowed += [np.ndarray, np.dtype, np.dtypes.UInt32DType, np.core.multiarray._reconstruct]
+    except (ImportError, AttributeError):
+        pass
+    try:
+        from megatron.core.safe_globals import SAFE_GLOBALS
+
+        allowed += [g for g in SAFE_GLOBALS if g not in allowed]
+    except ImportError:
+        pass
+    return allowed
+
+
+def load_shard(path: Path) -> dict:
+    """One `model_optim_rng.pt`, loaded with weights_only=True and a minimal allow-list of globals."""
+    import pickle
+
+    try:
+        with torch.serialization.safe_globals(_safe_globals()):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise NanoEvalError(
+            f"{path}: cannot be loaded safely (weights_only=True): {str(e).splitlines()[0]} Fix: install "
+            "megatron-core (its enums are in the allow-list) or save with --no-save-optim --no-save-rng."
+        ) from e
+
+
+def shard_files(iter_dir: Path) -> dict[tuple[int, int], Path]:
+    """{(tp_rank, pp_rank): model_optim_rng.pt} of a legacy iteration folder; checks that no shard is missing."""
+    found: dict[tuple[int, int], Path] = {}
+    for sub in sorted(p for p in iter_dir.iterdir() if p.is_dir()):
+        m = SHARD_DIR.match(sub.name)
+        if not m:
+            continue
+        if m.group(3) is not None:
+            raise NanoEvalError(f"{sub}: expert-parallel shards are not supported (Llama-style dense models only).")
+        found[(int(m.group(1)), int(m.group(2) or 0))] = sub / "model_optim_rng.pt"
+    if not found:
+        if (iter_dir / ".metadata").exists() or any(iter_dir.glob("*.distcp")):
+            raise NanoEvalError(
+                f"{iter_dir} is a torch_dist (distributed) checkpoint; nano_eval reads the legacy torch format. Fix: "
+                "rewrite it with Megatron-LM: run your training script with the same model arguments plus "
+                f"--load {iter_dir.parent} --ckpt-convert-format torch --ckpt-convert-save OUT_DIR, then pass "
+                "OUT_DIR's iter_* folder; or score it inside training with the MegatronModel backend."
+            )
+        raise NanoEvalError(f"{iter_dir} holds no mp_rank_XX folders. Fix: pass a Megatron iter_* folder.")
+    tp, pp = max(t for t, _ in found) + 1, max(p for _, p in found) + 1
+    missing = [f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "") for t in range(tp) for p in range(pp)
+               if not found.get((t, p), Path("/nonexistent")).is_file()]
+    if missing:
+        raise NanoEvalError(f"{iter_dir}: missing shards {missing} of tp={tp} x pp={pp}. "
+                            "Fix: finish copying the checkpoint.")
+    return found
+
+
+def _args_dict(args) -> dict:
+    return dict(vars(args)) if isinstance(args, Namespace) else dict(args or {})
+
+
+def read_megatron_checkpoint(iter_dir: str | Path) -> tuple[dict[str, torch.Tensor], dict, list[int]]:
+    """Merged TP shards of every PP stage: ({name: full tensor} with global layer numbers, args, layers per stage).
+    linear_fc1 is returned already un-fused as `...linear_fc1.gate.weight` / `...linear_fc1.up.weight`."""
+    iter_dir = Path(iter_dir)
+    files = shard_files(iter_dir)
+    tp, pp = max(t for t, _ in files) + 1, max(p for _, p in files) + 1
+    merged: dict[str, torch.Tensor] = {}
+    args: dict = {}
+    layers_per_stage = []
+    offset = 0
+    for p in range(pp):
+        shards = [load_shard(files[(t, p)]) for t in range(tp)]
+        args = args or _args_dict(shards[0].get("args"))
+        if "model" not in shards[0]:
+            keys = sorted(k for k in shards[0] if k.startswith("model"))
+            raise NanoEvalError(f"{files[(0, p)]}: no 'model' entry (found {keys}); virtual-pipeline checkpoints "
+                                "(model0, model1, ...) are not supported.")
+        stage = _merge_tp([s["model"] for s in shards], files[(0, p)])
+        numbers = [int(m.group(1)) for k in stage if (m := LAYER.match(k))]
+        n_layers = 1 + max(numbers, default=-1)
+        for name, tensor in stage.items():
+            merged[LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) + offset}.", name)] = tensor
+        layers_per_stage.append(n_layers)
+        offset += n_layers
+    return merged, args, layers_per_stage
+
+
+def _merge_tp(shards: list[dict], where: Path) -> dict[str, torch.Tensor]:
+    """Full tensors of one PP stage from its TP shards (state dicts with Megatron names)."""
+    out = {}
+    for name, first in shards[0].items():
+        if name.endswith("_extra_state") or not isinstance(first, torch.Tensor):
+            continue
+        parts = [s[name] for s in shards]
+        if name.endswith("linear_fc1.weight"):  # each shard is [gate_r | up_r]
+            halves = [t.chunk(2, dim=0) for t in parts]
+            out[name.replace("linear_fc1.weight", "linear_fc1.gate.weight")] = torch.cat([h[0] for h in halves])
+            out[name.replace("linear_fc1.weight", "linear_fc1.up.weight")] = torch.cat([h[1] for h in halves])
+        elif name.endswith(COLUMN_PARALLEL):
+            out[name] = torch.cat(parts, dim=0)
+        elif name.endswith(ROW_PARALLEL):
+            out[name] = torch.cat(parts, dim=1)
+        elif first.dim() <= 1 and not name.endswith("bias"):
+            out[name] = first  # norms: replicated on every TP rank
+        else:
+            raise NanoEvalError(f"{where}: unexpected parameter {name} {tuple(first.shape)}; only Llama-style GPT "
+                                "checkpoints (no biases) can be converted.")
+    return out
+
+
+LLAMA_STYLE = {"normalization": "RMSNorm", "swiglu": True, "position_embedding_type": "rope", "add_bias_linear": False,
+               "add_qkv_bias": False, "qk_layernorm": False, "rotary_percent": 1.0}
+
+
+def hf_config_from_args(args: Mapping, vocab_size: int):
+    """A transformers LlamaConfig from Megatron's training arguments (names as in Megatron-LM's arguments.py)."""
+    from transformers import LlamaConfig
+
+    wrong = {k: args[k] for k, v in LLAMA_STYLE.items() if k in args and args[k] is not None and args[k] != v}
+    if wrong or args.get("use_rope_scaling"):
+        raise NanoEvalError(f"not a Llama-style GPT checkpoint: {wrong or {'use_rope_scaling': True}} "
+                            f"(the converter needs {LLAMA_STYLE}, no rope scaling).")
+    try:
+        heads = args["num_attention_heads"]
+        groups = args.get("num_query_groups") if args.get("group_query_attention") else heads
+        return LlamaConfig(
+            vocab_size=vocab_size, hidden_size=args["hidden_size"], intermediate_size=args["ffn_hidden_size"],
+            num_hidden_layers=args["num_layers"], num_attention_heads=heads, num_key_value_heads=groups or heads,
+            head_dim=args.get("kv_channels") or args["hidden_size"] // heads,
+            max_position_embeddings=args.get("max_position_embeddings") or args["seq_length"],
+            rms_norm_eps=args.get("norm_epsilon", 1e-5), rope_theta=float(args.get("rotary_base", 10000)),
+            tie_word_embeddings=not args.get("untie_embeddings_and_output_weights", False),
+            attention_bias=False, mlp_bias=False, hidden_act="silu",
+        )
+    except KeyError as e:
+        raise NanoEvalError(f"the checkpoint's args lack {e}. Fix: pass megatron_args=... (Megatron's names).") from e
+
+
+def _norm(weights: dict, layer: str, fused: str, local: str) -> torch.Tensor:
+    """A pre-norm weight under the TE name (fused into the next linear) or the local-spec name."""
+    return weights[f"{layer}{fused}"] if f"{layer}{fused}" in weights else weights[f"{layer}{local}"]
+
+
+def half_rotary_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Per head, rows in interleaved-pair order (r0, r1), (r2, r3).. -> half order [r0, r2, .., r1, r3, ..]."""
+    d = w.shape[0] // heads
+    return w.view(heads, d // 2, 2, -1).transpose(1, 2).reshape(w.shape)
+
+
+def hf_state_dict(weights: dict[str, torch.Tensor], config, interleaved_rotary: bool = False) -> dict:
+    """Merged Megatron names and layouts -> transformers' LlamaForCausalLM."""
+    nq, ng, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    out = {"model.embed_tokens.weight": weights["embedding.word_embeddings.weight"],
+           "model.norm.weight": weights["decoder.final_layernorm.weight"]}
+    if "output_layer.weight" in weights and not config.tie_word_embeddings:
+        out["lm_head.weight"] = weights["output_layer.weight"]
+    for i in range(config.num_hidden_layers):
+        src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
+        grouped = weights[src + "self_attention.linear_qkv.weight"].view(ng, (nq // ng + 2) * d, -1)
+        q, k, v = (t.reshape(-1, t.shape[-1]) for t in grouped.split([nq // ng * d, d, d], dim=1))
+        if interleaved_rotary:
+            q, k = half_rotary_rows(q, nq), half_rotary_rows(k, ng)
+        out |= {
+            dst + "self_attn.q_proj.weight": q, dst + "self_attn.k_proj.weight": k, dst + "self_attn.v_proj.weight": v,
+            dst + "self_attn.o_proj.weight": weights[src + "self_attention.linear_proj.weight"],
+            dst + "mlp.gate_proj.weight": weights[src + "mlp.linear_fc1.gate.weight"],
+            dst + "mlp.up_proj.weight": weights[src + "mlp.linear_fc1.up.weight"],
+            dst + "mlp.down_proj.weight": weights[src + "mlp.linear_fc2.weight"],
+            dst + "input_layernorm.weight": _norm(weights, src, "self_attention.linear_qkv.layer_norm_weight",
+                                                  "input_layernorm.weight"),
+            dst + "post_attention_layernorm.weight": _norm(weights, src, "mlp.linear_fc1.layer_norm_weight",
+                                                           "pre_mlp_layernorm.weight"),
+        }
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def load_megatron_llama_as_hf(iter_dir: str | Path, megatron_args: Mapping | Namespace | None = None):
+    """A transformers LlamaForCausalLM (fp32) holding a legacy Megatron checkpoint's weights.
+    megatron_args: Megatron argument names/values that override (or replace) the pickled `args`."""
+    from transformers import LlamaForCausalLM
+
+    weights, args, layers = read_megatron_checkpoint(iter_dir)
+    args = {**args, **_args_dict(megatron_args)}
+    if "embedding.word_embeddings.weight" not in weights:
+        raise NanoEvalError(f"{iter_dir}: no embedding.word_embeddings.weight; is it a GPT checkpoint?")
+    config = hf_config_from_args(args, vocab_size=weights["embedding.word_embeddings.weight"].shape[0])
+    if sum(layers) != config.num_hidden_layers:
+        raise NanoEvalError(f"{iter_dir}: the shards hold {sum(layers)} layers ({layers} per stage) but args say "
+                            f"num_layers={config.num_hidden_layers}.")
+    model = LlamaForCausalLM(config)
+    try:
+        state = hf_state_dict(weights, config, interleaved_rotary=bool(args.get("rotary_interleaved")))
+    except KeyError as e:
+        raise NanoEvalError(f"{iter_dir}: the checkpoint lacks {e}; is it a Llama-style GPTModel?") from e
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [m for m in missing if not (config.tie_word_embeddings and m == "lm_head.weight")]
+    if missing or unexpected:
+        raise NanoEvalError(f"{iter_dir}: weights do not fit a Llama (missing {missing}, unexpected {unexpected}).")
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    return model.eval()
