@@ -30,12 +30,14 @@ DEMO_TASKS = "demo|arithmetic|0,demo|arithmetic|3,demo|arithmetic_gen|3,demo|ari
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nano_eval", description=__doc__.splitlines()[0])
-    p.add_argument("--checkpoint", help="transformers model folder, Hub id, or nanotron Llama checkpoint folder")
+    p.add_argument("--checkpoint", help="transformers model folder, Hub id, nanotron Llama checkpoint folder, Megatron "
+                   "iter_XXXXXXX folder, or a run folder holding several checkpoints (swept)")
     p.add_argument("--backend", default="transformers", choices=["transformers", "nanotron"],
                    help="nanotron: build nanotron's own model in --tp x --pp (GPU + flash-attn); transformers: any machine")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (--backend nanotron)")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (--backend nanotron)")
-    p.add_argument("--tokenizer", default=None, help="tokenizer for a nanotron checkpoint (default: its config.yaml's)")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer for a nanotron (default: its config.yaml's) or Megatron (required) checkpoint")
     p.add_argument("--tasks", help="comma-separated specs suite|task|num_fewshot, or a file with one per line")
     p.add_argument("--output-dir", default="nano_eval_results", help="where results.json and details/ go")
     p.add_argument("--max-samples", type=int, default=None, help="evaluate the first K documents of each task")
@@ -140,6 +142,12 @@ def build_backend(args):
     if is_nanotron_checkpoint(args.checkpoint):
         return load_as_transformers(args.checkpoint, args.tokenizer, device=args.device, dtype=args.dtype,
                                     max_length=args.max_length)
+    from nano_eval.models.megatron_checkpoint import is_megatron_checkpoint
+    from nano_eval.models.megatron_checkpoint import load_as_transformers as load_megatron
+
+    if is_megatron_checkpoint(args.checkpoint):
+        return load_megatron(args.checkpoint, args.tokenizer, device=args.device, dtype=args.dtype,
+                             max_length=args.max_length)
     return TransformersModel.from_pretrained(
         args.checkpoint, device=args.device, dtype=args.dtype, max_length=args.max_length,
         trust_remote_code=args.trust_remote_code,
@@ -167,7 +175,19 @@ def evaluate(args) -> EvalResults:
     return results
 
 
+def is_run_dir(path: str | None) -> bool:
+    """A folder that is not itself a checkpoint but holds checkpoints: `--checkpoint RUN_DIR` sweeps it."""
+    from nano_eval.sweep.discovery import discover, is_checkpoint_dir
+
+    return bool(path) and Path(path).is_dir() and not is_checkpoint_dir(path) and bool(discover(path))
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["sweep"] or is_run_dir(build_parser().parse_known_args(argv)[0].checkpoint):
+        from nano_eval.sweep.cli import main as sweep_main
+
+        return sweep_main(argv[1:] if argv[:1] == ["sweep"] else argv)
     args = build_parser().parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     prefix = f"[rank {rank}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""

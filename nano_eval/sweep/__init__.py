@@ -1,0 +1,10 @@
+"""Sweeps: evaluate every checkpoint of a training run directory (once each), tabulate, plot, and watch for more.
+
+    nano_eval sweep RUN_DIR --tasks SPECS --output-dir OUT [--every K] [--last N] [--watch --until-step S]
+
+discovery.py finds and selects checkpoints, runner.py evaluates them, table.py and report.py summarise.
+"""
+
+from nano_eval.sweep.discovery import Checkpoint, discover, select
+
+__all__ = ["Checkpoint", "discover", "select"]

@@ -1,0 +1,229 @@
+"""Find the checkpoints of a training run directory, tell finished ones from ones still being written, select some.
+
+Layouts (one run directory holds one kind):
+  nanotron   RUN/<step>/{config.yaml, model/, checkpoint_metadata.json}  + RUN/latest.txt (last complete step)
+  megatron   RUN/iter_0000100/...                                       + RUN/latest_checkpointed_iteration.txt
+  hf         RUN/checkpoint-500/, RUN/step_100/, RUN/step-100/, or any folder with config.json and a number in its name
+
+A checkpoint is complete when its trainer's marker file says so (nanotron latest.txt / checkpoint_metadata.json,
+Megatron's tracker file) or, for hf folders, when config.json and every weight file are there (the index lists its
+shards; a safetensors file is as long as its header says) and no temporary file is left. Marker-less checkpoints
+must also look the same (sizes, mtimes) on two looks at least `settle_s` apart: `Settler` keeps those looks.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+NANOTRON_LATEST = "latest.txt"
+MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
+HF_NAME = re.compile(r"^(?:checkpoint|step|global_step|iter|ckpt)[-_]?(\d+)$")
+MEGATRON_NAME = re.compile(r"^iter_(\d+)$")
+TEMP_MARKERS = (".tmp", ".temp", ".partial", ".incomplete", ".lock", ".part")
+HF_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
+HF_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    path: Path
+    step: int
+    kind: str  # "nanotron" | "megatron" | "hf"
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+
+def is_temporary(name: str) -> bool:
+    """Names that trainers and copy tools use while a file or folder is still being written."""
+    lower = name.lower()
+    return lower.startswith("tmp") or lower.endswith(TEMP_MARKERS) or ".tmp" in lower
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None  # missing, or "release" in a Megatron tracker
+
+
+def classify(path: Path, run_dir: Path | None = None) -> Checkpoint | None:
+    """The checkpoint this folder is (complete or not), or None when it is not one."""
+    if not path.is_dir() or path.name.startswith(".") or is_temporary(path.name):
+        return None
+    name = path.name
+    if m := MEGATRON_NAME.match(name):
+        return Checkpoint(path, int(m.group(1)), "megatron")
+    nanotron_run = run_dir is not None and (run_dir / NANOTRON_LATEST).exists()
+    if name.isdigit() and ((path / "config.yaml").exists() or (path / "model").is_dir() or nanotron_run):
+        return Checkpoint(path, int(name), "nanotron")
+    if m := HF_NAME.match(name):
+        return Checkpoint(path, int(m.group(1)), "hf")
+    numbers = re.findall(r"\d+", name)
+    if numbers and (path / "config.json").exists():
+        return Checkpoint(path, int(numbers[-1]), "hf")
+    return None
+
+
+def is_checkpoint_dir(path: str | Path) -> bool:
+    """True when `path` is itself one checkpoint (not a run directory holding several)."""
+    p = Path(path)
+    return (p / "config.json").exists() or ((p / "config.yaml").exists() and (p / "model").is_dir()) or bool(
+        MEGATRON_NAME.match(p.name))
+
+
+def discover(run_dir: str | Path) -> list[Checkpoint]:
+    """Every checkpoint folder directly under `run_dir`, finished or not, in step order."""
+    run = Path(run_dir)
+    found = [c for c in (classify(p, run) for p in sorted(run.iterdir())) if c is not None] if run.is_dir() else []
+    steps: dict[int, Checkpoint] = {}
+    for c in found:
+        if c.step in steps:  # two names for one step (checkpoint-5 and step_5): keep the first, by name
+            continue
+        steps[c.step] = c
+    return sorted(steps.values(), key=lambda c: c.step)
+
+
+def select(ckpts: list[Checkpoint], *, every: int | None = None, min_step: int | None = None,
+           max_step: int | None = None, last: int | None = None) -> list[Checkpoint]:
+    """Step range first, then every k-th step (step % k == 0), then the last N; result in step order."""
+    out = [c for c in ckpts if (min_step is None or c.step >= min_step) and (max_step is None or c.step <= max_step)]
+    if every:
+        out = [c for c in out if c.step % every == 0]
+    if last is not None:
+        out = out[-last:] if last > 0 else []
+    return out
+
+
+def missing_parts(ckpt: Checkpoint, run_dir: Path) -> str | None:
+    """Why `ckpt` is not finished yet (None when it is, as far as files can tell)."""
+    temp = [p.name for p in ckpt.path.rglob("*")
+            if is_temporary(p.name) and not any(part.startswith(".") for part in p.relative_to(ckpt.path).parts[:-1])]
+    if temp:
+        return f"temporary files {sorted(temp)[:3]} are still there"
+    if ckpt.kind == "megatron":
+        latest = _read_int(run_dir / MEGATRON_TRACKER)
+        return None if latest is not None and ckpt.step <= latest else f"{MEGATRON_TRACKER} does not reach it yet"
+    if ckpt.kind == "nanotron":
+        return _nanotron_missing(ckpt, run_dir)
+    return _hf_missing(ckpt.path)
+
+
+def has_marker(ckpt: Checkpoint, run_dir: Path) -> bool:
+    """True when the trainer itself declared the checkpoint finished (a tracker file that reaches its step)."""
+    tracker = {"nanotron": NANOTRON_LATEST, "megatron": MEGATRON_TRACKER}.get(ckpt.kind)
+    latest = _read_int(run_dir / tracker) if tracker else None
+    return latest is not None and ckpt.step <= latest
+
+
+def _nanotron_missing(ckpt: Checkpoint, run_dir: Path) -> str | None:
+    if not (ckpt.path / "config.yaml").exists() or not (ckpt.path / "model").is_dir():
+        return "config.yaml or model/ is missing"
+    if has_marker(ckpt, run_dir) or (ckpt.path / "checkpoint_metadata.json").exists():
+        return _truncated_safetensors(ckpt.path / "model")
+    return f"neither {NANOTRON_LATEST} reaches step {ckpt.step} nor checkpoint_metadata.json exists"
+
+
+def _hf_missing(path: Path) -> str | None:
+    if not (path / "config.json").exists():
+        return "config.json is missing"
+    for index in HF_INDEXES:
+        if (path / index).exists():
+            try:
+                shards = set(json.loads((path / index).read_text())["weight_map"].values())
+            except (OSError, ValueError, KeyError):
+                return f"{index} is unreadable"
+            absent = sorted(s for s in shards if not (path / s).exists())
+            if absent:
+                return f"shards {absent[:3]} listed in {index} are missing"
+            return _truncated_safetensors(path)
+    if not any((path / w).exists() for w in HF_WEIGHTS):
+        return f"no weights ({', '.join(HF_WEIGHTS + HF_INDEXES)})"
+    return _truncated_safetensors(path)
+
+
+def _truncated_safetensors(folder: Path) -> str | None:
+    """A safetensors file is complete when its size is 8 + header length + the end of its last tensor."""
+    for f in sorted(folder.rglob("*.safetensors")):
+        try:
+            with f.open("rb") as fh:
+                (n,) = struct.unpack("<Q", fh.read(8))
+                header = json.loads(fh.read(n))
+        except (OSError, ValueError, struct.error):
+            return f"{f.name} has an incomplete header"
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        if f.stat().st_size != 8 + n + end:
+            return f"{f.name} is shorter or longer than its header says (still being written?)"
+    return None
+
+
+def snapshot(path: Path) -> tuple:
+    """(relative path, size, mtime) of every file: equal on two looks means nothing was written in between."""
+    return tuple(sorted((str(p.relative_to(path)), st.st_size, st.st_mtime_ns)
+                        for p in path.rglob("*") if p.is_file() and (st := p.stat())))
+
+
+class Settler:
+    """Remembers when each checkpoint last changed; `settled` once it has looked the same for `settle_s` seconds."""
+
+    def __init__(self, settle_s: float):
+        self.settle_s = settle_s
+        self._seen: dict[Path, tuple[tuple, float]] = {}
+
+    def settled(self, ckpt: Checkpoint, now: float | None = None) -> bool:
+        if self.settle_s <= 0:
+            return True
+        now = time.monotonic() if now is None else now
+        snap = snapshot(ckpt.path)
+        previous = self._seen.get(ckpt.path)
+        if previous is None or previous[0] != snap:
+            self._seen[ckpt.path] = (snap, now)
+            return False
+        return now - previous[1] >= self.settle_s
+
+    def wait_s(self, ckpt: Checkpoint, now: float | None = None) -> float:
+        """Seconds left before `ckpt` can count as settled if it does not change again."""
+        previous = self._seen.get(ckpt.path)
+        now = time.monotonic() if now is None else now
+        return self.settle_s if previous is None else max(0.0, self.settle_s - (now - previous[1]))
+
+
+def ready(ckpt: Checkpoint, run_dir: Path, settler: Settler) -> tuple[bool, str | None]:
+    """(finished and safe to read, why not). Marker-declared checkpoints skip the settling wait."""
+    why = missing_parts(ckpt, run_dir)
+    if why is not None:
+        return False, why
+    if has_marker(ckpt, run_dir) or settler.settled(ckpt):
+        return True, None
+    return False, f"still changing or seen for less than {settler.settle_s:g}s"
+
+
+def consumed_tokens(ckpt: Checkpoint) -> int | None:
+    """Tokens the trainer had consumed at this checkpoint, when its files say (nanotron metadata, HF trainer state)."""
+    try:
+        if ckpt.kind == "nanotron" and (ckpt.path / "checkpoint_metadata.json").exists():
+            metas = json.loads((ckpt.path / "checkpoint_metadata.json").read_text()).get("metas", {})
+            if metas.get("consumed_tokens_total"):
+                return int(metas["consumed_tokens_total"])
+            samples = metas.get("consumed_train_samples")
+            seq = _nanotron_sequence_length(ckpt.path)
+            return int(samples) * seq if samples is not None and seq else None
+        if (ckpt.path / "trainer_state.json").exists():
+            seen = json.loads((ckpt.path / "trainer_state.json").read_text()).get("num_input_tokens_seen")
+            return int(seen) if seen else None
+    except (OSError, ValueError, TypeError):
+        return None
+    return None
+
+
+def _nanotron_sequence_length(path: Path) -> int | None:
+    import yaml
+
+    config = yaml.safe_load((path / "config.yaml").read_text()) or {}
+    return (config.get("tokens") or {}).get("sequence_length")

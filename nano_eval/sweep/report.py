@@ -1,0 +1,146 @@
+"""Learning curves of a sweep: one PNG per (task, metric) and one self-contained HTML page (images inlined as
+base64 data URIs, plus the numbers as tables), built from the consolidated table.
+
+matplotlib is optional (`pip install matplotlib`): without it the page draws each curve as an inline SVG polyline
+and no PNG is written (one warning says so).
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import math
+import os
+import sys
+from collections import defaultdict
+from datetime import datetime, timezone
+from pathlib import Path
+
+from nano_eval.sweep.table import read_table
+from nano_eval.tracking.files import atomic_write_text
+
+REPORT_DIR, HTML_NAME = "report", "index.html"
+
+
+def curves(rows: list[dict]) -> dict[str, dict[str, list[tuple[int, float | None, float | None]]]]:
+    """{task: {metric: [(step, value, stderr), ...] in step order}}, tasks and metrics in table order."""
+    out: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
+    for r in rows:
+        out[r["task"]][r["metric"]].append((r["step"], r["value"], r["stderr"]))
+    return {t: {m: sorted(points) for m, points in ms.items()} for t, ms in out.items()}
+
+
+def file_stem(task: str, metric: str) -> str:
+    """`demo|arithmetic|0` + `acc` -> `demo_arithmetic_0__acc` (portable file names)."""
+    return "".join(c if c.isalnum() or c in "-." else "_" for c in f"{task}__{metric}")
+
+
+def write_report(out_dir: str | Path) -> Path:
+    """Write `<out>/report/*.png` and `<out>/report/index.html`; returns the HTML path."""
+    out = Path(out_dir)
+    rows = read_table(out)
+    data = curves(rows)
+    plot = _png_plotter()
+    figures: dict[tuple[str, str], str] = {}  # (task, metric) -> <img> or <svg> markup
+    for task, metrics in data.items():
+        for metric, points in metrics.items():
+            label = f"{task} {metric}"
+            if plot is not None:
+                png = plot(task, metric, points)
+                _write_bytes(out / REPORT_DIR / f"{file_stem(task, metric)}.png", png)
+                src = "data:image/png;base64," + base64.b64encode(png).decode()
+                figures[task, metric] = f'<img alt="{html.escape(label)}" src="{src}">'
+            else:
+                figures[task, metric] = _svg(points, label)
+    page = _html(out, rows, data, figures)
+    atomic_write_text(out / REPORT_DIR / HTML_NAME, page)
+    return out / REPORT_DIR / HTML_NAME
+
+
+def _write_bytes(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _png_plotter():
+    """A function (task, metric, points) -> PNG bytes, or None (with one warning) when matplotlib is missing."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        print("nano_eval: warning: matplotlib is not installed: the sweep report draws SVG curves and writes no PNG. "
+              "Fix: pip install matplotlib", file=sys.stderr)
+        return None
+
+    def plot(task: str, metric: str, points: list) -> bytes:
+        fig = Figure(figsize=(5, 3), dpi=100)  # no pyplot: no global state, no GUI backend
+        ax = fig.subplots()
+        pts = [(s, v, e) for s, v, e in points if v is not None]
+        steps, values = [p[0] for p in pts], [p[1] for p in pts]
+        ax.plot(steps, values, marker="o")
+        if any(e is not None for _, _, e in pts):
+            lo = [v - (e or 0) for _, v, e in pts]
+            hi = [v + (e or 0) for _, v, e in pts]
+            ax.fill_between(steps, lo, hi, alpha=0.2)
+        ax.set_title(f"{task}  {metric}", fontsize=9)
+        ax.set_xlabel("training step")
+        ax.set_ylabel(metric)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png")
+        return buf.getvalue()
+
+    return plot
+
+
+def _svg(points: list, label: str, width: int = 360, height: int = 180, pad: int = 24) -> str:
+    pts = [(s, v) for s, v, _ in points if v is not None and math.isfinite(v)]
+    if not pts:
+        return f'<svg role="img" aria-label="{html.escape(label)}" width="{width}" height="{height}"></svg>'
+    xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+    x0, x1, y0, y1 = min(xs), max(xs), min(ys), max(ys)
+    sx = (width - 2 * pad) / ((x1 - x0) or 1)
+    sy = (height - 2 * pad) / ((y1 - y0) or 1)
+    coords = " ".join(f"{pad + (s - x0) * sx:.1f},{height - pad - (v - y0) * sy:.1f}" for s, v in pts)
+    return (f'<svg role="img" aria-label="{html.escape(label)}" width="{width}" height="{height}">'
+            f'<polyline fill="none" stroke="#1f77b4" stroke-width="2" points="{coords}"/>'
+            f'<text x="{pad}" y="14" font-size="11">{y1:.4g}</text>'
+            f'<text x="{pad}" y="{height - 4}" font-size="11">{y0:.4g} (step {x0} .. {x1})</text></svg>')
+
+
+def _fmt(value, err) -> str:
+    if value is None:
+        return ""
+    return f"{value:.4f}" + (f" ± {err:.4f}" if err is not None else "")
+
+
+def _html(out: Path, rows: list[dict], data: dict, figures: dict) -> str:
+    steps = sorted({(r["step"], r["checkpoint"], r["consumed_tokens"]) for r in rows})
+    parts = [
+        "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
+        f"<title>nano_eval sweep: {html.escape(out.name)}</title>",
+        "<style>body{font-family:sans-serif;margin:2em}figure{display:inline-block;margin:.5em}"
+        "table{border-collapse:collapse;font-size:13px}td,th{border:1px solid #ccc;padding:2px 6px;text-align:right}"
+        "</style></head><body>",
+        f"<h1>nano_eval sweep: {html.escape(str(out))}</h1>",
+        f"<p>{len(steps)} checkpoints, steps {steps[0][0] if steps else '-'} to {steps[-1][0] if steps else '-'}; "
+        f"generated {datetime.now(timezone.utc).isoformat(timespec='seconds')}.</p>",
+    ]
+    for task, metrics in data.items():
+        parts.append(f'<section data-task="{html.escape(task)}"><h2>{html.escape(task)}</h2>')
+        for metric in metrics:
+            parts.append(f'<figure data-task="{html.escape(task)}" data-metric="{html.escape(metric)}">'
+                         f"{figures[task, metric]}<figcaption>{html.escape(metric)}</figcaption></figure>")
+        by_step = {m: {s: (v, e) for s, v, e in pts} for m, pts in metrics.items()}
+        parts.append("<table><tr><th>checkpoint</th><th>step</th><th>consumed tokens</th>"
+                     + "".join(f"<th>{html.escape(m)}</th>" for m in metrics) + "</tr>")
+        for step, name, tokens in steps:
+            cells = "".join(f"<td>{_fmt(*by_step[m].get(step, (None, None)))}</td>" for m in metrics)
+            parts.append(f'<tr data-step="{step}"><td>{html.escape(name)}</td><td>{step}</td>'
+                         f"<td>{'' if tokens is None else tokens}</td>{cells}</tr>")
+        parts.append("</table></section>")
+    parts.append("</body></html>")
+    return "\n".join(parts) + "\n"

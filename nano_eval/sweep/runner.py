@@ -1,0 +1,294 @@
+"""The sweep loop: find finished checkpoints, evaluate each once (all tasks, one load), write, free, repeat.
+
+Every rank runs the same loop. Rank 0 alone looks at the file system: it plans each round (what to evaluate, what
+to reuse, whether to stop) and broadcasts the plan, so all ranks agree on the work; every rank evaluates (data
+parallel); rank 0 writes `<out>/<checkpoint>/results.json`, the consolidated table, the report and the W&B rows.
+A checkpoint whose results file carries the same evaluation identity (identity.py) is reused, not re-evaluated, so
+a killed sweep restarts where it stopped. SIGINT / SIGTERM stop the loop after the checkpoint in progress.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from nano_eval.engine import BatchingConfig
+from nano_eval.errors import NanoEvalError
+from nano_eval.evaluator import EvalConfig, Evaluator
+from nano_eval.parallel import any_rank_true
+from nano_eval.sweep.discovery import (Checkpoint, Settler, consumed_tokens, discover, has_marker, is_checkpoint_dir,
+                                       missing_parts, select)
+from nano_eval.sweep.identity import evaluation_identity, fingerprint
+from nano_eval.sweep.loading import load_backend
+from nano_eval.sweep.signals import StopFlag
+from nano_eval.tracking.wandb_logger import WandbLogger, metric_key
+
+
+@dataclass(frozen=True, kw_only=True)
+class SweepOptions:
+    """Which checkpoints, how to wait for new ones, and where to log; model and task options stay in run.py's args."""
+
+    run_dir: str
+    every: int | None = None  # keep steps divisible by this
+    min_step: int | None = None
+    max_step: int | None = None
+    last: int | None = None  # keep the last N (after the filters above)
+    watch: bool = False  # keep polling for new checkpoints
+    poll_s: float = 30.0
+    settle_s: float = 5.0  # marker-less checkpoints must look unchanged this long before they are read
+    until_step: int | None = None  # stop once a checkpoint at or past this step is done
+    tokens_per_step: int | None = None  # consumed tokens = step x this, when the checkpoint does not say
+    report: bool = True
+    wandb_project: str | None = None
+    wandb_entity: str | None = None
+    wandb_run_id: str | None = None  # resume this run (e.g. the training run) instead of opening a new one
+    wandb_run_name: str | None = None
+    wandb_mode: str | None = None  # "offline" works without network
+
+
+@dataclass
+class WorkItem:
+    ckpt: Checkpoint
+    identity: str
+    fingerprint: str
+    consumed_tokens: int | None
+    reuse: bool  # results with this identity already exist
+
+
+@dataclass
+class Plan:
+    work: list[WorkItem]
+    wait_s: float | None  # sleep before planning again; None: nothing left to wait for
+    stop: bool = False
+
+
+@dataclass
+class SweepSummary:
+    evaluated: list[str] = field(default_factory=list)
+    reused: list[str] = field(default_factory=list)
+    incomplete: list[str] = field(default_factory=list)
+    done: dict[int, Path] = field(default_factory=dict)  # step -> results.json
+
+
+def free_memory() -> None:
+    """Return the last checkpoint's memory before the next one loads."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+class SweepRunner:
+    """Build once (tasks loaded and parsed), then `run()`."""
+
+    def __init__(self, args: argparse.Namespace, options: SweepOptions,
+                 after_checkpoint: Callable[[Checkpoint, bool], None] | None = None):
+        from nano_eval.tasks import Registry, load_datasets
+
+        if not args.tasks:
+            raise NanoEvalError("a sweep needs --tasks. Fix: --tasks 'suite|task|k,...' (see --list-tasks).")
+        self.args, self.options, self.after_checkpoint = args, options, after_checkpoint
+        self.run_dir, self.out = Path(options.run_dir), Path(args.output_dir)
+        if not self.run_dir.is_dir():
+            raise NanoEvalError(f"run directory {self.run_dir} does not exist. Fix: pass the folder holding the "
+                                "checkpoints (nanotron <step>/, Megatron iter_*/, HF checkpoint-*/).")
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.is_main = not dist.is_initialized() or dist.get_rank() == 0
+        registry = Registry(custom_tasks=args.custom_tasks)
+        self.specs = registry.parse_specs(args.tasks)
+        self.tasks = registry.get_task_dict(self.specs, data_dir=args.data_dir)
+        load_datasets(self.tasks, processes=min(8, len(self.tasks)))
+        self.task_keys = [s.key for s in self.specs]
+        self.versions = {s.key: self.tasks[s.full_name].version for s in self.specs}
+        batching = BatchingConfig(max_batch_tokens=args.batch_tokens, max_batch_size=args.max_batch_size)
+        self.eval_config = EvalConfig(max_samples=args.max_samples, seed=args.seed, batching=batching,
+                                      progress=False)
+        self.settler = Settler(options.settle_s)
+        self.handled: set[Path] = set()
+        self.summary = SweepSummary()
+        self.wandb: WandbLogger | None = None
+
+    # ---- the loop -------------------------------------------------------------------------------------------------
+
+    def run(self) -> SweepSummary:
+        """Evaluate until nothing is left (one-shot) or until stopped (watch). Every rank calls it."""
+        from nano_eval.sweep.report import write_report
+        from nano_eval.sweep.table import write_table
+
+        with StopFlag() as stop:
+            try:
+                self.wandb = self._open_wandb() if self.is_main else None
+                self._loop(stop)
+            finally:
+                if self.is_main and self.summary.done:
+                    write_table(self.summary.done, self.out)
+                    if self.options.report:
+                        write_report(self.out)
+                if self.wandb is not None:
+                    self.wandb.close()
+        return self.summary
+
+    def _loop(self, stop: StopFlag) -> None:
+        from nano_eval.sweep.report import write_report
+        from nano_eval.sweep.table import write_table
+
+        if self.is_main and self.options.watch:
+            print(f"nano_eval: watching {self.run_dir} every {self.options.poll_s:g}s (stop: Ctrl-C / SIGTERM"
+                  + (f", or once step {self.options.until_step} is done)" if self.options.until_step else ")"),
+                  flush=True)
+        while True:
+            plan = self._agree(self._plan if self.is_main else None, stop.requested)
+            finished = plan.stop
+            for item in plan.work:
+                self._process(item)
+                reached = self.options.until_step is not None and item.ckpt.step >= self.options.until_step
+                if reached or self._any_rank(stop.requested):
+                    finished = True
+                    break
+            if plan.work and self.is_main:
+                write_table(self.summary.done, self.out)  # a killed watch still leaves an up-to-date table
+                if self.options.watch and self.options.report:
+                    write_report(self.out)
+            if finished or plan.wait_s is None:
+                return
+            stop.sleep(plan.wait_s)
+
+    def _any_rank(self, flag: bool) -> bool:
+        if not dist.is_initialized():
+            return flag
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        return any_rank_true(flag, dist.group.WORLD, self.world, device=device)
+
+    def _agree(self, make_plan: Callable[[bool], Plan] | None, stop_requested: bool) -> Plan:
+        """Rank 0 plans, every rank receives the same plan (a signal on any rank stops all of them)."""
+        stop = self._any_rank(stop_requested)
+        plan = make_plan(stop) if make_plan is not None else None
+        if self.world > 1:
+            box = [plan]
+            dist.broadcast_object_list(box, src=0)
+            plan = box[0]
+        return plan
+
+    # ---- planning (rank 0) ----------------------------------------------------------------------------------------
+
+    def _plan(self, stop: bool) -> Plan:
+        if stop:
+            return Plan([], None, stop=True)
+        o = self.options
+        found = select(discover(self.run_dir), every=o.every, min_step=o.min_step, max_step=o.max_step, last=o.last)
+        if not found and not o.watch:
+            hint = (f"it is itself one checkpoint: evaluate it with `nano_eval --checkpoint {self.run_dir}`"
+                    if is_checkpoint_dir(self.run_dir) else
+                    "pass a run directory holding <step>/, iter_*/ or checkpoint-*/ folders, or use --watch")
+            raise NanoEvalError(f"no checkpoints found under {self.run_dir} (after the step selection). Fix: {hint}.")
+        work, settling = [], []
+        for ckpt in found:
+            if ckpt.path in self.handled:
+                continue
+            why = missing_parts(ckpt, self.run_dir)
+            if why is not None:
+                if not o.watch:  # never read a half-written checkpoint; a one-shot sweep leaves it
+                    self._skip_incomplete(ckpt, why)
+                continue
+            if has_marker(ckpt, self.run_dir) or self.settler.settled(ckpt):
+                work.append(self._work_item(ckpt))
+            else:
+                settling.append(ckpt)
+        if o.watch:
+            return Plan(work, o.poll_s)
+        wait = min((self.settler.wait_s(c) for c in settling), default=None)
+        return Plan(work, None if wait is None else wait + 0.05)
+
+    def _skip_incomplete(self, ckpt: Checkpoint, why: str) -> None:
+        self.handled.add(ckpt.path)
+        self.summary.incomplete.append(ckpt.name)
+        print(f"nano_eval: warning: skipping checkpoint {ckpt.path}: not finished ({why}). Fix: rerun the sweep once "
+              "it is written, or use --watch to wait for it.", file=sys.stderr, flush=True)
+
+    def _work_item(self, ckpt: Checkpoint) -> WorkItem:
+        fp = fingerprint(ckpt.path)
+        identity = evaluation_identity(self.args, self.task_keys, self.versions, fp)
+        tokens = consumed_tokens(ckpt)
+        if tokens is None and self.options.tokens_per_step:
+            tokens = ckpt.step * self.options.tokens_per_step
+        return WorkItem(ckpt, identity, fp, tokens, reuse=self._existing_identity(ckpt) == identity)
+
+    def _existing_identity(self, ckpt: Checkpoint) -> str | None:
+        path = self.out / ckpt.name / "results.json"
+        try:
+            return json.loads(path.read_text()).get("sweep", {}).get("evaluation_identity")
+        except (OSError, ValueError):
+            return None
+
+    # ---- one checkpoint -------------------------------------------------------------------------------------------
+
+    def _process(self, item: WorkItem) -> None:
+        ckpt = item.ckpt
+        self.handled.add(ckpt.path)
+        if item.reuse:
+            self.summary.reused.append(ckpt.name)
+            if self.is_main:
+                print(f"nano_eval: {ckpt.name} (step {ckpt.step}): already evaluated, reusing its results",
+                      flush=True)
+        else:
+            start = time.perf_counter()
+            self._evaluate(item)
+            self.summary.evaluated.append(ckpt.name)
+            if self.is_main:
+                print(f"nano_eval: {ckpt.name} (step {ckpt.step}): evaluated in {time.perf_counter() - start:.1f}s",
+                      flush=True)
+        results_path = self.out / ckpt.name / "results.json"
+        self.summary.done[ckpt.step] = results_path
+        # A new W&B run gets the whole curve (reused results too); a resumed run only what this sweep adds.
+        if self.is_main and self.wandb is not None and (not item.reuse or not self.options.wandb_run_id):
+            self._log_wandb(results_path)
+        if self.after_checkpoint is not None:
+            self.after_checkpoint(ckpt, item.reuse)
+
+    def _evaluate(self, item: WorkItem) -> None:
+        """Load once, score every task, write (rank 0), then drop every reference to the model."""
+        from nano_eval.run import results_document, write_outputs
+
+        args = argparse.Namespace(**{**vars(self.args), "checkpoint": str(item.ckpt.path)})
+        backend = load_backend(item.ckpt, args)
+        evaluator = Evaluator(backend, [(s, self.tasks[s.full_name]) for s in self.specs], self.eval_config)
+        results = evaluator.evaluate(step=item.ckpt.step)
+        if backend.layout.is_main:
+            doc = results_document(args, results, backend.layout, self.versions)
+            doc.update(step=item.ckpt.step, consumed_tokens=item.consumed_tokens, sweep={
+                "run_dir": str(self.run_dir.resolve()), "checkpoint_name": item.ckpt.name, "kind": item.ckpt.kind,
+                "fingerprint": item.fingerprint, "evaluation_identity": item.identity,
+            })
+            out_dir = self.out / item.ckpt.name
+            shutil.rmtree(out_dir / "details", ignore_errors=True)  # no stale details from an older evaluation
+            write_outputs(out_dir, doc, results, details=not self.args.no_details)
+        del evaluator, backend, results
+        free_memory()
+
+    # ---- W&B (rank 0) ---------------------------------------------------------------------------------------------
+
+    def _open_wandb(self) -> WandbLogger | None:
+        o = self.options
+        if not (o.wandb_project or o.wandb_run_id):
+            return None
+        init = {"id": o.wandb_run_id, "resume": "allow"} if o.wandb_run_id else {}
+        logger = WandbLogger(enabled=True, project=o.wandb_project, entity=o.wandb_entity, name=o.wandb_run_name,
+                             mode=o.wandb_mode, dir=str(self.out), init_kwargs=init,
+                             run_config={"run_dir": str(self.run_dir), "tasks": self.task_keys,
+                                         "max_samples": self.args.max_samples})
+        return logger
+
+    def _log_wandb(self, results_path: Path) -> None:
+        doc = json.loads(results_path.read_text())
+        flat = {metric_key("eval", task, name): value for task, metrics in doc["results"].items()
+                for name, value in metrics.items() if not name.endswith("_stderr") and value is not None}
+        self.wandb.log(flat, step=doc["step"], consumed_tokens=doc.get("consumed_tokens"))

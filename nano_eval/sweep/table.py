@@ -1,0 +1,78 @@
+"""The consolidated sweep table: one row per (checkpoint, task, metric), in step order, as CSV and parquet.
+
+Built from the per-checkpoint results.json files only, so a restarted sweep rebuilds exactly the same table.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import sys
+from pathlib import Path
+
+from nano_eval.tracking.files import atomic_write_text
+
+COLUMNS = ("checkpoint", "step", "consumed_tokens", "task", "metric", "value", "stderr")
+CSV_NAME, PARQUET_NAME = "sweep_results.csv", "sweep_results.parquet"
+
+
+def table_rows(done: dict[int, Path]) -> list[dict]:
+    """Rows of every finished checkpoint (step -> its results.json), in step order, then task and metric order."""
+    rows = []
+    for step in sorted(done):
+        doc = json.loads(Path(done[step]).read_text())
+        name = doc.get("sweep", {}).get("checkpoint_name", Path(done[step]).parent.name)
+        for task, metrics in doc["results"].items():
+            for metric, value in metrics.items():
+                if metric.endswith("_stderr"):
+                    continue
+                rows.append({"checkpoint": name, "step": step, "consumed_tokens": doc.get("consumed_tokens"),
+                             "task": task, "metric": metric, "value": _num(value),
+                             "stderr": _num(metrics.get(f"{metric}_stderr"))})
+    return rows
+
+
+def _num(value) -> float | None:
+    return None if value is None or (isinstance(value, float) and math.isnan(value)) else float(value)
+
+
+def write_table(done: dict[int, Path], out_dir: str | Path) -> Path:
+    """Write `sweep_results.csv` (and `.parquet` when pyarrow imports) atomically; returns the CSV path."""
+    out = Path(out_dir)
+    rows = table_rows(done)
+    text = io.StringIO()
+    writer = csv.DictWriter(text, fieldnames=COLUMNS, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    atomic_write_text(out / CSV_NAME, text.getvalue())
+    _write_parquet(rows, out / PARQUET_NAME)
+    return out / CSV_NAME
+
+
+def _write_parquet(rows: list[dict], path: Path) -> None:
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError as e:
+        print(f"nano_eval: warning: {path.name} skipped ({e}); the CSV has the same rows", file=sys.stderr)
+        return
+    schema = pa.schema([("checkpoint", pa.string()), ("step", pa.int64()), ("consumed_tokens", pa.int64()),
+                        ("task", pa.string()), ("metric", pa.string()), ("value", pa.float64()),
+                        ("stderr", pa.float64())])
+    tmp = path.with_name(f".{path.name}.tmp")
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), tmp)
+    tmp.replace(path)
+
+
+def read_table(out_dir: str | Path) -> list[dict]:
+    """The CSV back as typed rows (None for missing numbers)."""
+    with (Path(out_dir) / CSV_NAME).open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    for r in rows:
+        r["step"] = int(r["step"])
+        r["consumed_tokens"] = int(r["consumed_tokens"]) if r["consumed_tokens"] else None
+        r["value"] = float(r["value"]) if r["value"] else None
+        r["stderr"] = float(r["stderr"]) if r["stderr"] else None
+    return rows
