@@ -409,8 +409,14 @@ def _sweep_memory(tmp_path: Path, n: int, device: str = "cpu") -> tuple[list[flo
                                       "--no-details", "--device", device])
     rss, alive = [], []
 
+    def models_alive() -> int:
+        return sum(issubclass(type(o), PreTrainedModel) for o in gc.get_objects())
+
+    gc.collect()
+    before = models_alive()  # other tests' session fixtures may hold models in this process
+
     def after(ckpt, reused):
-        alive.append(sum(issubclass(type(o), PreTrainedModel) for o in gc.get_objects()))
+        alive.append(models_alive() - before)
         rss.append(torch.cuda.memory_allocated() / 2**20 if device == "cuda" else _rss_mib())
 
     assert isinstance(args, argparse.Namespace)
