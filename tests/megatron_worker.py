@@ -118,3 +118,130 @@ def run_hook(model, tokenizer, out_dir):
     return {"steps": [first.step, second.step], "tokens": [first.consumed_tokens, second.consumed_tokens],
             "metrics": [first.tasks["demo|arithmetic|0"].metrics, second.tasks["demo|arithmetic|0"].metrics],
             "training_restored": model.training and all(m.training for m in model.modules())}
+
+
+def cpu_torch_dist_strategy():
+    """megatron-core's torch_dist save strategy, writing with torch's synchronous FileSystemWriter.
+
+    Not a mock: the state-dict translation, the planner and the file format are megatron-core's and
+    torch.distributed.checkpoint's own. Only the writer differs: megatron-core 0.16's async writer calls
+    torch.cuda.synchronize() / torch.cuda.current_device(), so `dist_checkpointing.save` fails on a CPU build."""
+    import torch.distributed.checkpoint as dcp
+    from megatron.core.dist_checkpointing.strategies.torch import (
+        MCoreSavePlanner, TorchDistSaveShardedStrategy, _replace_state_dict_keys_with_sharded_keys,
+        mcore_to_pyt_state_dict)
+
+    class CpuTorchDistSave(TorchDistSaveShardedStrategy):
+        def save(self, sharded_state_dict, checkpoint_dir):
+            state, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, self.keep_only_main_replica)
+            dcp.save(mcore_to_pyt_state_dict(state, False), storage_writer=dcp.FileSystemWriter(checkpoint_dir),
+                     planner=MCoreSavePlanner(can_run_decentralized_global_plan=False, flatten_state_dict=False))
+
+    return CpuTorchDistSave("torch_dist", 1)
+
+
+def toy_gpt_model(args):
+    """A real megatron-core GPTModel (local spec, CPU) on this rank's TP shard and PP stage, holding the seed-0 toy
+    weights (with tied embeddings, the toy's lm_head is not used)."""
+    import re
+
+    from megatron.core import parallel_state as ps
+
+    from nano_eval.models.megatron_dist_ckpt import build_gpt_model
+    from nano_eval.toy_megatron import ToyConfig, logical_weights, megatron_shard
+
+    cfg, pp = ToyConfig(), ps.get_pipeline_model_parallel_world_size()
+    first = ps.get_pipeline_model_parallel_rank() * cfg.num_layers // pp
+    local_names = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+                   "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight"}
+
+    def local(name):  # TE norm names -> local spec's; global layer numbers -> this stage's
+        name = next((name.replace(te, loc) for te, loc in local_names.items() if name.endswith(te)), name)
+        return re.sub(r"^decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{int(m.group(1)) - first}.", name)
+
+    model = build_gpt_model(vars(args))
+    own = {k for k in model.state_dict() if not k.endswith("_extra_state")}
+    shard = megatron_shard(logical_weights(cfg), cfg, ps.get_tensor_model_parallel_rank(),
+                           ps.get_tensor_model_parallel_world_size())
+    state = {local(k): v for k, v in shard.items() if local(k) in own}
+    assert set(state) == own, sorted(own - set(state))
+    model.load_state_dict(state, strict=False)
+    return model
+
+
+def save_dist_checkpoint(model, args, root: Path, iteration: int):
+    """What Megatron-LM's save_checkpoint writes for --ckpt-format torch_dist (--no-save-optim): one
+    dist_checkpointing.save of {args, checkpoint_version, iteration, model (sharded), rng_state (a ShardedObject per
+    TP x PP rank), num_floating_point_operations_so_far} with its content metadata; rank 0 writes the tracker."""
+    import random
+
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing import ShardedObject
+
+    metadata = {"singleton_local_shards": False}  # Megatron-LM's _build_sharded_state_dict_metadata without DistOpt
+    rng = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+           "torch_rng_state": torch.get_rng_state()}
+    tp_rank, tp = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    pp_rank, pp = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
+    state = {"args": args, "checkpoint_version": 3.0, "iteration": iteration,
+             "model": model.sharded_state_dict(
+                 metadata={**metadata, "dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}),
+             "rng_state": ShardedObject("rng_state", [rng], (pp, tp), (pp_rank, tp_rank),
+                                        replica_id=ps.get_data_parallel_rank()),
+             "num_floating_point_operations_so_far": 0}
+    iter_dir = root / f"iter_{iteration:07d}"
+    iter_dir.mkdir(parents=True, exist_ok=True)
+    dist_checkpointing.save(state, str(iter_dir), cpu_torch_dist_strategy(), content_metadata=metadata)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        (root / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+
+
+def state_digest(state: dict) -> str:
+    """sha256 over the names and bytes of a state dict: equal digests = identical tensors in identical places."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name in sorted(state):
+        digest.update(name.encode() + state[name].contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def dist_checkpoint_checks(rank, world, root, iteration=100):
+    """TP2 world: write the toy model as a legacy and a torch_dist checkpoint (as Megatron-LM does), then load the
+    torch_dist one on both ranks of this world (what run.py under torchrun does). Returns the loaded weights'
+    fingerprint and the process-group state after the load."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from nano_eval.models.megatron_to_hf import load_megatron_llama_as_hf
+    from nano_eval.toy_megatron import ToyConfig, build_toy_megatron_model, megatron_args
+
+    _setup(2)
+    root = Path(root)
+    save_legacy_checkpoint(build_toy_megatron_model(ToyConfig()), root / "legacy", iteration)
+    from megatron.core.transformer.enums import AttnBackend
+
+    args = megatron_args(ToyConfig(), tp=2)
+    args.ckpt_format, args.attention_backend, args.save = "torch_dist", AttnBackend.auto, root / "dist"  # as real args
+    save_dist_checkpoint(toy_gpt_model(args), args, root / "dist", iteration)
+    ps.destroy_model_parallel()
+    hf = load_megatron_llama_as_hf(root / "dist" / f"iter_{iteration:07d}")
+    return {"digest": state_digest(hf.state_dict()),
+            "parallel_state_clean": not ps.model_parallel_is_initialized(), "world": dist.get_world_size()}
+
+
+def save_dist_layout(rank, world, root, tp, pp, untie=True, iteration=100):
+    """The toy model saved as torch_dist at tp x pp (world = tp x pp) with tied or untied embeddings."""
+    from nano_eval.compat.megatron import initialize_cpu_model_parallel
+    from nano_eval.toy_megatron import ToyConfig, megatron_args
+
+    warnings.filterwarnings("ignore", module="megatron")
+    initialize_cpu_model_parallel(tp=tp, pp=pp)
+    args = megatron_args(ToyConfig(), tp=tp, pp=pp)
+    args.ckpt_format, args.untie_embeddings_and_output_weights = "torch_dist", untie
+    save_dist_checkpoint(toy_gpt_model(args), args, Path(root), iteration)

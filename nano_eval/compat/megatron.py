@@ -86,8 +86,9 @@ def layout_from_megatron(pg_collection=None, device: str | None = None) -> Paral
 
 
 def initialize_cpu_model_parallel(tp: int = 1, pp: int = 1) -> None:
-    """parallel_state on gloo (torch.distributed must be initialised); dp = world / (tp x pp). CPU tests only:
-    gloo sub-groups are skipped because the default backend already is gloo."""
+    """parallel_state on gloo (torch.distributed must be initialised); dp = world / (tp x pp). For CPU tests
+    and the torch_dist checkpoint loader: gloo sub-groups are skipped (the default backend already is gloo, or
+    the loader only needs TP1/PP1)."""
     ps = import_megatron_core()
     kwargs = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp}
     if "create_gloo_process_groups" in inspect.signature(ps.initialize_model_parallel).parameters:

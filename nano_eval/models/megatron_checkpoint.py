@@ -1,7 +1,8 @@
 """Score Megatron checkpoints from the command line, on any machine.
 
 `run.py --checkpoint <iter_XXXXXXX folder or run dir> --tokenizer T` reads a Llama-style GPT checkpoint into
-transformers' LlamaForCausalLM (nano_eval/models/megatron_to_hf.py): same scores, no Megatron, no GPU. A run dir
+transformers' LlamaForCausalLM (nano_eval/models/megatron_to_hf.py): same scores, no Megatron-LM, no GPU. Both formats:
+legacy `mp_rank_XX[_YYY]/model_optim_rng.pt` and torch_dist (`*.distcp`; read with megatron-core). A run dir
 (holding `latest_checkpointed_iteration.txt`) resolves to its latest `iter_%07d` folder, as Megatron's loader does.
 Megatron does not store the tokenizer with the weights, so --tokenizer is required. Inside a training job, score
 the live model with MegatronModel (nano_eval/integrations/megatron_pretrain.py) instead.

@@ -1,4 +1,4 @@
-"""Read a Megatron Llama-style GPT checkpoint (legacy `torch` format, any TP x PP) into transformers' LlamaForCausalLM.
+"""Read a Megatron Llama-style GPT checkpoint (any TP x PP) into transformers' LlamaForCausalLM.
 
 So a Megatron checkpoint can be scored without Megatron, a GPU or a process group. The legacy layout:
 `iter_0001000/mp_rank_{tp:02d}[_{pp:03d}]/model_optim_rng.pt`, each a dict with `model` (that rank's GPTModel
@@ -15,6 +15,8 @@ What differs from transformers' Llama, and how we undo it:
 - RoPE rotates halves by default, as transformers does; `rotary_interleaved=True` checkpoints get their q/k rows
   permuted per head.
 The vocabulary stays padded (`padded_vocab_size` rows), as Megatron's own softmax sees it.
+A torch_dist checkpoint (`*.distcp`, `.metadata`, `common.pt`) is first loaded by megatron-core into one TP1 GPTModel
+(megatron_dist_ckpt.py), whose state dict then takes the path of a one-shard legacy checkpoint.
 """
 
 from __future__ import annotations
@@ -82,13 +84,6 @@ def shard_files(iter_dir: Path) -> dict[tuple[int, int], Path]:
             raise NanoEvalError(f"{sub}: expert-parallel shards are not supported (Llama-style dense models only).")
         found[(int(m.group(1)), int(m.group(2) or 0))] = sub / "model_optim_rng.pt"
     if not found:
-        if (iter_dir / ".metadata").exists() or any(iter_dir.glob("*.distcp")):
-            raise NanoEvalError(
-                f"{iter_dir} is a torch_dist (distributed) checkpoint; nano_eval reads the legacy torch format. Fix: "
-                "rewrite it with Megatron-LM: run your training script with the same model arguments plus "
-                f"--load {iter_dir.parent} --ckpt-convert-format torch --ckpt-convert-save OUT_DIR, then pass "
-                "OUT_DIR's iter_* folder; or score it inside training with the MegatronModel backend."
-            )
         raise NanoEvalError(f"{iter_dir} holds no mp_rank_XX folders. Fix: pass a Megatron iter_* folder.")
     tp, pp = max(t for t, _ in found) + 1, max(p for _, p in found) + 1
     missing = [f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "") for t in range(tp) for p in range(pp)
@@ -103,10 +98,19 @@ def _args_dict(args) -> dict:
     return dict(vars(args)) if isinstance(args, Namespace) else dict(args or {})
 
 
-def read_megatron_checkpoint(iter_dir: str | Path) -> tuple[dict[str, torch.Tensor], dict, list[int]]:
+def read_megatron_checkpoint(iter_dir: str | Path, overrides: Mapping | None = None
+                             ) -> tuple[dict[str, torch.Tensor], dict, list[int]]:
     """Merged TP shards of every PP stage: ({name: full tensor} with global layer numbers, args, layers per stage).
-    linear_fc1 is returned already un-fused as `...linear_fc1.gate.weight` / `...linear_fc1.up.weight`."""
+    linear_fc1 is returned already un-fused as `...linear_fc1.gate.weight` / `...linear_fc1.up.weight`.
+    overrides: Megatron argument names/values that replace the pickled `args`.
+    A torch_dist checkpoint is first loaded by megatron-core into one TP1 GPTModel (megatron_dist_ckpt.py)."""
     iter_dir = Path(iter_dir)
+    from nano_eval.models.megatron_dist_ckpt import is_dist_checkpoint, read_dist_checkpoint
+
+    if is_dist_checkpoint(iter_dir) and not any(SHARD_DIR.match(p.name) for p in iter_dir.iterdir()):
+        state, args = read_dist_checkpoint(iter_dir, _args_dict(overrides))
+        stage = _merge_tp([state], iter_dir)
+        return stage, args, [1 + max((int(m.group(1)) for k in stage if (m := LAYER.match(k))), default=-1)]
     files = shard_files(iter_dir)
     tp, pp = max(t for t, _ in files) + 1, max(p for _, p in files) + 1
     merged: dict[str, torch.Tensor] = {}
@@ -127,7 +131,7 @@ def read_megatron_checkpoint(iter_dir: str | Path) -> tuple[dict[str, torch.Tens
             merged[LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) + offset}.", name)] = tensor
         layers_per_stage.append(n_layers)
         offset += n_layers
-    return merged, args, layers_per_stage
+    return merged, {**args, **_args_dict(overrides)}, layers_per_stage
 
 
 def _merge_tp(shards: list[dict], where: Path) -> dict[str, torch.Tensor]:
@@ -224,8 +228,7 @@ def load_megatron_llama_as_hf(iter_dir: str | Path, megatron_args: Mapping | Nam
     megatron_args: Megatron argument names/values that override (or replace) the pickled `args`."""
     from transformers import LlamaForCausalLM
 
-    weights, args, layers = read_megatron_checkpoint(iter_dir)
-    args = {**args, **_args_dict(megatron_args)}
+    weights, args, layers = read_megatron_checkpoint(iter_dir, megatron_args)
     if "embedding.word_embeddings.weight" not in weights:
         raise NanoEvalError(f"{iter_dir}: no embedding.word_embeddings.weight; is it a GPT checkpoint?")
     config = hf_config_from_args(args, vocab_size=weights["embedding.word_embeddings.weight"].shape[0])

@@ -1,0 +1,155 @@
+"""torch_dist checkpoints (current Megatron-LM's default format) -> transformers, on CPU with real megatron-core.
+
+One TP2 gloo world writes the toy model twice, as Megatron-LM writes it: legacy (mp_rank_XX) and torch_dist
+(`dist_checkpointing.save` of a real GPTModel's sharded_state_dict; the one deviation, torch's synchronous file
+writer because megatron-core's async one needs CUDA, is explained in tests/megatron_worker.py). That world then
+loads the torch_dist checkpoint on both ranks, as run.py under torchrun does; the tests below load it in this
+process alone (a gloo world of 1 that the loader creates and removes).
+"""
+
+import json
+import pickle
+import shutil
+
+import pytest
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'nano_eval[megatron]')")
+
+import torch  # noqa: E402
+
+from nano_eval.errors import NanoEvalError  # noqa: E402
+from tests.dist_utils import run_distributed  # noqa: E402
+from tests.megatron_worker import TASKS, dist_checkpoint_checks, state_digest  # noqa: E402
+from tests.test_megatron import assert_same_scores  # noqa: E402
+
+ITERATION = 100
+ITER = f"iter_{ITERATION:07d}"
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = tmp_path_factory.mktemp("megatron_dist")
+    return {"root": root, "ranks": run_distributed(dist_checkpoint_checks, 2, str(root), ITERATION)}
+
+
+@pytest.fixture(scope="module")
+def converted(saved):
+    from nano_eval.models.megatron_to_hf import load_megatron_llama_as_hf
+
+    return load_megatron_llama_as_hf(saved["root"] / "dist" / ITER)
+
+
+def test_checkpoint_is_written_as_megatron_lm_writes_it(saved):
+    run = saved["root"] / "dist"
+    assert (run / "latest_checkpointed_iteration.txt").read_text() == str(ITERATION)
+    files = sorted(p.name for p in (run / ITER).iterdir())
+    assert files == [".metadata", "__0_0.distcp", "__1_0.distcp", "common.pt", "metadata.json"]
+    assert json.loads((run / ITER / "metadata.json").read_text())["sharded_backend"] == "torch_dist"
+
+
+def test_converter_reproduces_the_logical_weights(converted):
+    """Megatron stacks layers, splits swiglu's linear_fc1 into two sharded halves and groups linear_qkv per query
+    group; after megatron-core reshards TP2 -> TP1 and the legacy path un-fuses, every tensor is exact."""
+    from nano_eval.toy_megatron import ToyConfig, logical_weights
+
+    state = converted.state_dict()
+    for name, expected in logical_weights(ToyConfig()).items():
+        assert torch.equal(state[name], expected), name
+    assert converted.config.num_key_value_heads == 2 and not converted.config.tie_word_embeddings
+
+
+def test_loading_leaves_no_process_group_behind(converted):
+    """This process had no process group: the loader's gloo world and Megatron's parallel_state are gone."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    assert not dist.is_initialized() and not ps.model_parallel_is_initialized()
+
+
+def test_every_rank_of_a_running_world_loads_the_same_model(saved, converted):
+    """Inside a world of 2 (torchrun), both ranks load it, keep their process group and leave parallel_state clean."""
+    for rank in saved["ranks"]:
+        assert rank["world"] == 2 and rank["parallel_state_clean"]
+        assert rank["digest"] == state_digest(converted.state_dict())
+
+
+def test_scores_equal_the_legacy_conversion(saved, toy_checkpoint):
+    from nano_eval.models.megatron_checkpoint import load_as_transformers
+    from tests.nanotron_worker import summarize
+
+    legacy = summarize(load_as_transformers(str(saved["root"] / "legacy"), str(toy_checkpoint)), TASKS, 4096, 12)
+    dist = summarize(load_as_transformers(str(saved["root"] / "dist"), str(toy_checkpoint)), TASKS, 4096, 12)
+    assert_same_scores(legacy, dist, "torch_dist vs legacy")
+
+
+def test_run_py_scores_the_iteration_folder(saved, toy_checkpoint, tmp_path):
+    from nano_eval.run import main
+
+    assert main(["--checkpoint", str(saved["root"] / "dist" / ITER), "--tokenizer", str(toy_checkpoint),
+                 "--tasks", "demo|arithmetic|0", "--max-samples", "8", "--output-dir", str(tmp_path),
+                 "--device", "cpu"]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["num_docs"]["demo|arithmetic|0"] == 8 and "acc" in results["results"]["demo|arithmetic|0"]
+
+
+class _Touch:
+    """A pickle that, if unpickled without an allow-list, creates a file."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (type(self.path).touch, (self.path,))
+
+
+def test_unsafe_or_incomplete_checkpoints_are_refused(saved, tmp_path):
+    from nano_eval.models.megatron_to_hf import load_megatron_llama_as_hf
+
+    unsafe = tmp_path / ITER
+    shutil.copytree(saved["root"] / "dist" / ITER, unsafe)
+    marker = tmp_path / "pwned"
+    (unsafe / ".metadata").write_bytes(pickle.dumps(_Touch(marker)))
+    with pytest.raises(NanoEvalError, match="not allowed in a checkpoint index"):
+        load_megatron_llama_as_hf(unsafe)
+    assert not marker.exists()
+
+    (unsafe / "common.pt").unlink()
+    with pytest.raises(NanoEvalError, match="no common.pt"):
+        load_megatron_llama_as_hf(unsafe)
+
+
+def test_wrong_args_are_refused_with_a_fix(saved):
+    """Non-Llama args stop before any model is built; args that do not match the tensors (4 query groups where
+    the checkpoint has 2) make megatron-core's loader fail, reported with the folder and the fix, and the loader's
+    process group is gone after the failure too."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from nano_eval.models.megatron_to_hf import load_megatron_llama_as_hf
+
+    with pytest.raises(NanoEvalError, match="not a Llama-style"):
+        load_megatron_llama_as_hf(saved["root"] / "dist" / ITER, megatron_args={"swiglu": False})
+    with pytest.raises(NanoEvalError, match="could not load it into a GPTModel.*megatron_args"):
+        load_megatron_llama_as_hf(saved["root"] / "dist" / ITER, megatron_args={"num_query_groups": 4})
+    assert not dist.is_initialized() and not ps.model_parallel_is_initialized()
+
+
+@pytest.mark.parametrize("tp, pp, untie", [
+    (1, 2, True),
+    pytest.param(2, 2, True, marks=pytest.mark.slow),
+    pytest.param(2, 1, False, marks=pytest.mark.slow),
+], ids=["pp2", "tp2xpp2", "tp2-tied"])
+def test_other_layouts_convert_exactly(tmp_path, tp, pp, untie):
+    """megatron-core reshards any TP x PP into the TP1/PP1 model: PP stages' layers land at their global numbers;
+    tied embeddings give lm_head = the embedding."""
+    from nano_eval.models.megatron_to_hf import load_megatron_llama_as_hf
+    from nano_eval.toy_megatron import ToyConfig, logical_weights
+    from tests.megatron_worker import save_dist_layout
+
+    run_distributed(save_dist_layout, tp * pp, str(tmp_path), tp, pp, untie, ITERATION)
+    state = load_megatron_llama_as_hf(tmp_path / ITER).state_dict()
+    expected = logical_weights(ToyConfig())
+    if not untie:
+        expected["lm_head.weight"] = expected["model.embed_tokens.weight"]
+    for name, tensor in expected.items():
+        assert torch.equal(state[name], tensor), name
