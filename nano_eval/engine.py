@@ -22,6 +22,7 @@ from nano_eval.data import (
 )
 from nano_eval.errors import NanoEvalError
 from nano_eval.models.base import Backend, Batch
+from nano_eval.packing import PackedRow, build_segments, make_packed_batch, pack_rows, share_prefixes, split_packed
 from nano_eval.parallel import broadcast_from_output_stage, broadcast_tensor_from_output_stage, gather_dicts_over_dp
 from nano_eval.requests import (
     GreedyUntilRequest,
@@ -39,6 +40,10 @@ class BatchingConfig:
     max_batch_tokens: int = 8192  # padded tokens (rows x longest row) per forward
     max_batch_size: int = 512
     default_generation_size: int = 256  # when a generative task sets no generation_size
+    packing: bool = True  # one row per document (context once) on backends with supports_packed_rows
+    pack_tokens: int = 256  # also put several short documents in one row, up to this many tokens (0: off)
+    shared_prefix_tokens: int = 32  # documents whose contexts share >= this many first tokens share one row (0: off)
+    shared_prefix_row_tokens: int = 2048  # longest such row (capped at the model's max length)
 
 
 @dataclass(frozen=True)
@@ -98,13 +103,29 @@ class Engine:
 
     # ---- preparing ---------------------------------------------------------------------------------------------
 
+    @property
+    def packs_rows(self) -> bool:
+        """Whether loglikelihood rows may carry tree masks (backend capability, and not switched off)."""
+        return self.batching.packing and bool(getattr(self.backend, "supports_packed_rows", False))
+
     def prepare_loglikelihood(self, requests: Sequence[LoglikelihoodRequest]) -> LoglikelihoodDataset:
-        items = []
+        """Rows of PackedRow: a document's requests share one row where the backend allows it (nano_eval.packing),
+        single-token choices share one row on every backend; otherwise one row per request, as before."""
+        groups: dict[tuple, list] = {}
         for r in requests:
             ctx, cont = self.encode_pair(r.context, r.choice)
             r.tokenized_context, r.tokenized_continuation = ctx, cont
-            items.append(self._fit(r.key, ctx, cont, f"task {r.task_name}, document {r.sample_index}"))
-        return LoglikelihoodDataset(items)
+            self._fit(r.key, ctx, cont, f"task {r.task_name}, document {r.sample_index}")  # raises if too long
+            groups.setdefault((r.task_name, r.sample_index, tuple(ctx)), []).append((r.key, ctx, cont))
+        tree, b = self.packs_rows, self.batching
+        segments = build_segments(list(groups.values()), self.backend.max_length, tree)
+        if not tree:
+            return LoglikelihoodDataset(pack_rows(segments, 0))
+        rows = []
+        if b.shared_prefix_tokens > 0:
+            capacity = min(b.shared_prefix_row_tokens, self.backend.max_length)
+            rows, segments = share_prefixes(segments, capacity, b.shared_prefix_tokens)
+        return LoglikelihoodDataset(rows + pack_rows(segments, b.pack_tokens))
 
     def prepare_single_token(self, requests: Sequence[LoglikelihoodSingleTokenRequest]) -> LoglikelihoodDataset:
         """One row per context; every choice must be one token and all are scored at the last position."""
@@ -172,12 +193,18 @@ class Engine:
         list of results, one per choice. Same dict on every rank."""
         local: dict = {}
         for items in self._my_batches(dataset, desc):
-            batch = make_scoring_batch(items, self.pad_id)
+            packed = isinstance(items[0], PackedRow)
+            batch = make_packed_batch(items, self.pad_id, self.packs_rows) if packed else make_scoring_batch(
+                items, self.pad_id)
             logits = self.backend.forward(batch)
             if logits is None:
                 continue
             logprobs, greedy = target_logprobs(logits, batch.targets.to(logits.device), self._vocab_shard(logits))
-            local.update(_split_rows(items, logprobs.tolist(), greedy.tolist()))
+            if packed:
+                local.update((k, LoglikelihoodResult(*res)) for k, *res in split_packed(
+                    items, logprobs.tolist(), greedy.tolist()))
+            else:
+                local.update(_split_rows(items, logprobs.tolist(), greedy.tolist()))
         return gather_dicts_over_dp(broadcast_from_output_stage(local, self.layout), self.layout)
 
     def run_greedy(self, dataset: GenerativeTaskDataset, desc: str = "generate") -> dict:

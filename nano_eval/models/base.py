@@ -25,6 +25,13 @@ class Batch:
     attention_mask: [B, S] int64, 1 on real tokens
     rows, cols:     [N] int64: the logits at (rows[k], cols[k]) predict token targets[k]
     targets:        [N] int64 global vocabulary ids (-1 where only the argmax is wanted, e.g. generation)
+
+    Optional, only sent to backends that declare `supports_packed_rows = True` (see nano_eval.packing); when None
+    the batch is plain causal rows with positions 0..n-1:
+    position_ids:   [B, S] int64 position of each token within its document / continuation
+    segment_ids:    [B, S] int64 document of each token within its row (-1 on padding)
+    branch_ids:     [B, S] int64 0 on a document's shared context, k on its k-th continuation
+    Token i attends token j iff j <= i, same segment, and branch_ids[j] in (0, branch_ids[i]).
     """
 
     input_ids: torch.Tensor
@@ -32,6 +39,9 @@ class Batch:
     rows: torch.Tensor
     cols: torch.Tensor
     targets: torch.Tensor
+    position_ids: torch.Tensor | None = None
+    segment_ids: torch.Tensor | None = None
+    branch_ids: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

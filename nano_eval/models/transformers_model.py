@@ -13,13 +13,19 @@ import torch
 
 from nano_eval.errors import NanoEvalError
 from nano_eval.models.base import Batch
+from nano_eval.packing import tree_attention_mask
 from nano_eval.parallel import ParallelLayout
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
 
 class TransformersModel:
-    """A causal LM from transformers behind the backend protocol (see nano_eval.models.base.Backend)."""
+    """A causal LM from transformers behind the backend protocol (see nano_eval.models.base.Backend).
+
+    Takes packed rows (nano_eval.packing) when its attention takes a custom 4D mask (sdpa: bool, eager: additive).
+    """
+
+    supports_packed_rows = True
 
     def __init__(self, model, tokenizer, *, layout: ParallelLayout | None = None, max_length: int | None = None):
         self.model = self.module = model
@@ -28,6 +34,8 @@ class TransformersModel:
         self.max_length = max_length or _model_max_length(model, tokenizer)
         self.device = next(model.parameters()).device
         self._head_only_on_scored = _can_split_head(model)
+        self._attn = getattr(model.config, "_attn_implementation", None)
+        self.supports_packed_rows = self._attn in ("sdpa", "eager")
 
     @classmethod
     def from_pretrained(
@@ -54,13 +62,29 @@ class TransformersModel:
     @torch.no_grad()
     def forward(self, batch: Batch) -> torch.Tensor:
         """Logits [N, V] at the scored positions (tp = pp = 1, so every rank is an output stage)."""
-        input_ids = batch.input_ids.to(self.device)
-        mask = batch.attention_mask.to(self.device)
+        inputs = {"input_ids": batch.input_ids.to(self.device), "attention_mask": batch.attention_mask.to(self.device)}
+        if batch.position_ids is not None:
+            inputs["position_ids"] = batch.position_ids.to(self.device)
+            inputs["attention_mask"] = self._tree_mask(batch)
         rows, cols = batch.rows.to(self.device), batch.cols.to(self.device)
         if not self._head_only_on_scored:
-            return self.model(input_ids=input_ids, attention_mask=mask).logits[rows, cols]
-        hidden = self.model.get_decoder()(input_ids=input_ids, attention_mask=mask).last_hidden_state
-        return self.model.get_output_embeddings()(hidden[rows, cols])
+            return self.model(**inputs, use_cache=False).logits[rows, cols]
+        hidden = self.model.get_decoder()(**inputs, use_cache=False).last_hidden_state
+        # Choices of one document are scored at the same position (the context's last token): project it once.
+        flat, inverse = torch.unique(rows * hidden.shape[1] + cols, return_inverse=True)
+        scored = hidden.flatten(0, 1)[flat]
+        return self.model.get_output_embeddings()(scored)[inverse]
+
+    def _tree_mask(self, batch: Batch) -> torch.Tensor:
+        """4D mask from the batch's segment/branch ids: bool for sdpa (True = attend), additive for eager."""
+        if not self.supports_packed_rows:
+            raise NanoEvalError(f"attention implementation {self._attn!r} cannot take packed rows. Fix: use sdpa or "
+                                "eager attention, or BatchingConfig(packing=False).")
+        mask = tree_attention_mask(batch.segment_ids.to(self.device), batch.branch_ids.to(self.device))
+        if self._attn == "sdpa":
+            return mask
+        dtype = next(self.model.parameters()).dtype
+        return torch.zeros(mask.shape, dtype=dtype, device=self.device).masked_fill_(~mask, torch.finfo(dtype).min)
 
 
 def check_model_dir(path: str) -> None:
