@@ -182,6 +182,27 @@ def is_run_dir(path: str | None) -> bool:
     return bool(path) and Path(path).is_dir() and not is_checkpoint_dir(path) and bool(discover(path))
 
 
+def run_command(body, what: str) -> int:
+    """Run a command's body on this rank and turn failures into exit codes every launcher understands.
+
+    NanoEvalError (bad input): one `nano_eval: error:` line, exit 2. Anything else: the traceback, exit 1 at
+    once, so torchrun stops the other ranks instead of leaving them waiting in a collective."""
+    rank = int(os.environ.get("RANK", "0"))
+    prefix = f"[rank {rank}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+    try:
+        body()
+    except NanoEvalError as e:
+        print(f"nano_eval: error: {prefix}{e}", file=sys.stderr)
+        return 2
+    except Exception as e:
+        traceback.print_exc()
+        print(f"nano_eval: error: {prefix}{what} failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["sweep"] or is_run_dir(build_parser().parse_known_args(argv)[0].checkpoint):
@@ -189,36 +210,23 @@ def main(argv: list[str] | None = None) -> int:
 
         return sweep_main(argv[1:] if argv[:1] == ["sweep"] else argv)
     args = build_parser().parse_args(argv)
-    rank = int(os.environ.get("RANK", "0"))
-    prefix = f"[rank {rank}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
-    ok = False
-    try:
+
+    def body() -> None:
         if args.list_tasks:
             from nano_eval.tasks import Registry
 
             Registry(custom_tasks=args.custom_tasks).print_tasks()
-            return 0
+            return
         init_distributed(args.device, args.dist_timeout)
         if args.demo:
             prepare_demo(args)
         start = time.perf_counter()
         results = evaluate(args)
-        if rank == 0:
+        if int(os.environ.get("RANK", "0")) == 0:
             print(results.table())
             print(f"\nwrote {Path(args.output_dir) / 'results.json'} in {time.perf_counter() - start:.1f}s")
-        ok = True
-        return 0
-    except NanoEvalError as e:
-        print(f"nano_eval: error: {prefix}{e}", file=sys.stderr)
-        return 2
-    except Exception as e:
-        # Exit at once: torchrun then stops the other ranks instead of leaving them waiting in a collective.
-        traceback.print_exc()
-        print(f"nano_eval: error: {prefix}evaluation failed: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
-    finally:
-        if ok and dist.is_initialized():
-            dist.destroy_process_group()
+
+    return run_command(body, "evaluation")
 
 
 if __name__ == "__main__":

@@ -8,13 +8,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
-import traceback
 
-import torch.distributed as dist
-
-from nano_eval.errors import NanoEvalError
 from nano_eval.sweep.runner import SweepOptions, SweepRunner
 
 
@@ -58,7 +53,7 @@ def options_from_args(args: argparse.Namespace) -> SweepOptions:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from nano_eval.run import init_distributed
+    from nano_eval.run import init_distributed, run_command
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -70,26 +65,14 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{name.replace('_', '-')} must be positive")
     if args.demo or args.list_tasks:
         parser.error("--demo and --list-tasks belong to `nano_eval` itself, not to `nano_eval sweep`")
-    rank = int(os.environ.get("RANK", "0"))
-    prefix = f"[rank {rank}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
-    ok = False
-    try:
+
+    def body() -> None:
         init_distributed(args.device, args.dist_timeout)
         start = time.perf_counter()
         summary = SweepRunner(args, options_from_args(args)).run()
-        if rank == 0:
+        if int(os.environ.get("RANK", "0")) == 0:
             print(f"\nsweep of {args.run_dir}: {len(summary.evaluated)} evaluated, {len(summary.reused)} reused, "
                   f"{len(summary.incomplete)} skipped as unfinished, in {time.perf_counter() - start:.1f}s; "
                   f"table: {os.path.join(args.output_dir, 'sweep_results.csv')}")
-        ok = True
-        return 0
-    except NanoEvalError as e:
-        print(f"nano_eval: error: {prefix}{e}", file=sys.stderr)
-        return 2
-    except Exception as e:
-        traceback.print_exc()  # exit at once: torchrun then stops the other ranks
-        print(f"nano_eval: error: {prefix}sweep failed: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
-    finally:
-        if ok and dist.is_initialized():
-            dist.destroy_process_group()
+
+    return run_command(body, "sweep")
