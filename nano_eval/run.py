@@ -199,6 +199,9 @@ def run_command(body, what: str) -> int:
         print(f"nano_eval: error: {prefix}{what} failed: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     if dist.is_initialized():
+        # Leave together: a rank that tears its gloo group down while rank 0 still writes (a sweep's report)
+        # was seen to abort ("terminate called without an active exception").
+        dist.barrier()
         dist.destroy_process_group()
     return 0
 

@@ -135,7 +135,7 @@ def test_two_data_parallel_ranks_sweep_like_one(full, tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
            "-m", "nano_eval.run", *_args(run, out, "--last", "2", "--batch-tokens", "64")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=ENV)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stderr[:3000] + "\n...\n" + proc.stderr[-3000:]
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-32", "checkpoint-40"]
     for name in ("checkpoint-32", "checkpoint-40"):
         two, one = _results(out / name), _results(reference / name)
