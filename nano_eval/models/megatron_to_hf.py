@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from nano_eval.errors import NanoEvalError
+from nano_eval.models.hf_llama import llama_from_state_dict
 
 SHARD_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
@@ -226,7 +227,6 @@ def hf_state_dict(weights: dict[str, torch.Tensor], config, interleaved_rotary: 
 def load_megatron_llama_as_hf(iter_dir: str | Path, megatron_args: Mapping | Namespace | None = None):
     """A transformers LlamaForCausalLM (fp32) holding a legacy Megatron checkpoint's weights.
     megatron_args: Megatron argument names/values that override (or replace) the pickled `args`."""
-    from transformers import LlamaForCausalLM
 
     weights, args, layers = read_megatron_checkpoint(iter_dir, megatron_args)
     if "embedding.word_embeddings.weight" not in weights:
@@ -235,15 +235,8 @@ def load_megatron_llama_as_hf(iter_dir: str | Path, megatron_args: Mapping | Nam
     if sum(layers) != config.num_hidden_layers:
         raise NanoEvalError(f"{iter_dir}: the shards hold {sum(layers)} layers ({layers} per stage) but args say "
                             f"num_layers={config.num_hidden_layers}.")
-    model = LlamaForCausalLM(config)
     try:
         state = hf_state_dict(weights, config, interleaved_rotary=bool(args.get("rotary_interleaved")))
     except KeyError as e:
         raise NanoEvalError(f"{iter_dir}: the checkpoint lacks {e}; is it a Llama-style GPTModel?") from e
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [m for m in missing if not (config.tie_word_embeddings and m == "lm_head.weight")]
-    if missing or unexpected:
-        raise NanoEvalError(f"{iter_dir}: weights do not fit a Llama (missing {missing}, unexpected {unexpected}).")
-    if config.tie_word_embeddings:
-        model.tie_weights()
-    return model.eval()
+    return llama_from_state_dict(config, state, str(iter_dir))

@@ -19,6 +19,7 @@ import torch
 
 from nano_eval.compat.nanotron import NUMPY_SCALAR_REPR  # no nanotron import: plain regex
 from nano_eval.errors import NanoEvalError
+from nano_eval.models.hf_llama import llama_from_state_dict
 
 _SHARD_SUFFIX = re.compile(r"_pp-rank-\d+-of-\d+_tp-rank-\d+-of-\d+$")
 
@@ -105,22 +106,13 @@ def hf_state_dict(weights: dict[str, torch.Tensor], config) -> dict[str, torch.T
 def load_nanotron_llama_as_hf(checkpoint: str | Path, model_config: dict | None = None):
     """A transformers LlamaForCausalLM holding the checkpoint's weights. `model_config` defaults to the
     `model.model_config` section of the checkpoint's config.yaml."""
-    from transformers import LlamaForCausalLM
-
     if model_config is None:
         model_config = read_model_config(checkpoint)
     try:
         config = hf_config_from(model_config)
     except KeyError as e:
         raise NanoEvalError(f"checkpoint {checkpoint}: config.yaml's model.model_config lacks {e}; is it a Llama?") from e
-    model = LlamaForCausalLM(config)
-    missing, unexpected = model.load_state_dict(hf_state_dict(read_nanotron_weights(checkpoint), config), strict=False)
-    missing = [m for m in missing if not (config.tie_word_embeddings and m == "lm_head.weight")]
-    if missing or unexpected:
-        raise NanoEvalError(f"checkpoint {checkpoint}: weights do not fit a Llama (missing {missing}, unexpected {unexpected}).")
-    if config.tie_word_embeddings:
-        model.tie_weights()
-    return model.eval()
+    return llama_from_state_dict(config, hf_state_dict(read_nanotron_weights(checkpoint), config), f"checkpoint {checkpoint}")
 
 
 def read_model_config(checkpoint: str | Path) -> dict:
