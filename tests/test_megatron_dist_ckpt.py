@@ -118,6 +118,21 @@ def test_unsafe_or_incomplete_checkpoints_are_refused(saved, tmp_path):
         load_megatron_llama_as_hf(unsafe)
 
 
+def test_the_index_is_unpickled_once_by_the_allow_list(saved, monkeypatch):
+    """torch.distributed.checkpoint never unpickles `.metadata` itself (a file swapped after our check could not
+    slip through): with its pickle.load made to fail, the checkpoint loads all the same."""
+    import torch.distributed.checkpoint.filesystem as dcp_fs
+
+    from nano_eval.models.megatron_to_hf import load_megatron_llama_as_hf
+
+    def no_second_read(*args, **kwargs):
+        raise AssertionError("torch.distributed.checkpoint unpickled .metadata itself")
+
+    monkeypatch.setattr(dcp_fs.pickle, "load", no_second_read)
+    model = load_megatron_llama_as_hf(saved["root"] / "dist" / ITER)
+    assert model.config.num_hidden_layers > 0
+
+
 def test_wrong_args_are_refused_with_a_fix(saved):
     """Non-Llama args stop before any model is built; args that do not match the tensors (4 query groups where
     the checkpoint has 2) make megatron-core's loader fail, reported with the folder and the fix, and the loader's

@@ -8,14 +8,17 @@ build a real GPTModel (local layer spec, CPU, TP1/PP1) from the checkpoint's own
 `dist_checkpointing.load` reshard whatever TP x PP it was saved with into it. The result has the names and layout
 of an `mp_rank_00` legacy checkpoint, so megatron_to_hf.py converts it the same way.
 
-Safety: `common.pt` is read with torch.load(weights_only=True) and megatron_to_hf's allow-list; `.metadata` is a
-plain pickle that torch.distributed.checkpoint reads with pickle.load, so we first unpickle it ourselves with an
-allow-list (torch.distributed.checkpoint's own classes, torch sizes/dtypes) and refuse anything else.
+Safety: `common.pt` is read with torch.load(weights_only=True) and megatron_to_hf's allow-list. `.metadata` is a
+plain pickle that torch.distributed.checkpoint would read with pickle.load; we read its bytes once, unpickle them
+with an exact allow-list (torch.distributed.checkpoint's metadata classes, torch sizes / dtypes, paths) and hand
+the resulting object to the loader, so no unchecked unpickling of that file ever happens.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
+import io
 import pickle
 from collections.abc import Mapping
 from pathlib import Path
@@ -27,9 +30,18 @@ from nano_eval.errors import NanoEvalError
 
 COMMON = "common.pt"
 CONTENT_METADATA = "content_metadata"  # where dist_checkpointing.save(content_metadata=...) puts it in common.pt
-SAFE_MODULE_PREFIXES = ("torch.distributed.checkpoint.", "megatron.core.dist_checkpointing.")
-SAFE_GLOBALS = {("torch.serialization", "_get_layout"),  # name -> torch layout, a dict look-up
-                ("pathlib", "PosixPath"), ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "slice")}
+_DCP = "torch.distributed.checkpoint.metadata"
+# Every global a torch_dist `.metadata` may name, as (the object's own __module__, its __qualname__). Each is a
+# data class, an enum, a container or a plain look-up: calling it with any arguments builds data and nothing else.
+METADATA_GLOBALS = frozenset({
+    (_DCP, "Metadata"), (_DCP, "TensorStorageMetadata"), (_DCP, "BytesStorageMetadata"),
+    (_DCP, "ChunkStorageMetadata"), (_DCP, "TensorProperties"), (_DCP, "MetadataIndex"), (_DCP, "StorageMeta"),
+    (_DCP, "_MEM_FORMAT_ENCODING"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),  # layout name -> torch.layout, a dict look-up
+    ("torch", "Size"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("collections", "OrderedDict"),
+    ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice"),
+})
+_TORCH_CONSTANTS = (torch.dtype, torch.layout, torch.memory_format)  # torch.float32 & co: values, not callables
 
 
 def is_dist_checkpoint(iter_dir: Path) -> bool:
@@ -38,32 +50,74 @@ def is_dist_checkpoint(iter_dir: Path) -> bool:
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """Builds only classes of torch.distributed.checkpoint / megatron's dist_checkpointing (dataclasses, enums),
-    torch.Size, torch's dtype / layout / memory-format constants and SAFE_GLOBALS: no other function is called."""
+    """Resolves only the globals of METADATA_GLOBALS and torch's dtype / layout / memory-format constants.
 
-    def find_class(self, module, name):
-        found = super().find_class(module, name)
-        if module.startswith(SAFE_MODULE_PREFIXES) and isinstance(found, type):
-            return found
-        if module == "torch" and (found is torch.Size or isinstance(found, (torch.dtype, torch.layout,
-                                                                           torch.memory_format))):
-            return found
-        if (module, name) in SAFE_GLOBALS:
-            return found
-        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint index")
+    A name is looked up as one attribute of its module (no dotted paths such as `os.system` under an allowed
+    module), the module is imported only once the pair is known to be allowed, and the object found must itself
+    be defined under that very name (its __module__ / __qualname__), so an alias cannot smuggle anything in."""
+
+    def find_class(self, module: str, name: str):
+        allowed = (module, name) in METADATA_GLOBALS
+        if not allowed and not (module == "torch" and isinstance(getattr(torch, name, None), _TORCH_CONSTANTS)):
+            raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint index")
+        found = getattr(importlib.import_module(module), name)
+        if allowed and (found.__module__, found.__qualname__) != (module, name):
+            raise pickle.UnpicklingError(f"{module}.{name} resolves to {found.__module__}.{found.__qualname__}")
+        return found
+
+    def persistent_load(self, pid):
+        raise pickle.UnpicklingError("persistent ids are not allowed in a checkpoint index")
 
 
-def check_metadata_is_safe(iter_dir: Path) -> None:
-    """Unpickle `.metadata` with the allow-list before torch.distributed.checkpoint unpickles it without one."""
+def read_metadata_safely(iter_dir: Path):
+    """The torch.distributed.checkpoint `Metadata` of `.metadata`, unpickled with the allow-list above.
+
+    torch.distributed.checkpoint itself would unpickle the file unchecked; `_checked_index` hands it this object
+    instead, so the bytes that were checked are the only bytes ever unpickled."""
     path = iter_dir / ".metadata"
     if not path.is_file():
         raise NanoEvalError(f"{iter_dir}: *.distcp files but no .metadata. Fix: finish copying the checkpoint.")
+    data = path.read_bytes()
     try:
-        with path.open("rb") as f:
-            _MetadataUnpickler(f).load()
-    except (pickle.UnpicklingError, AttributeError, EOFError, ImportError) as e:
-        raise NanoEvalError(f"{path}: refused to load ({e}); a torch_dist index holds only "
-                            "torch.distributed.checkpoint metadata. Fix: re-save the checkpoint with Megatron.") from e
+        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+    except Exception as e:  # noqa: BLE001 - any failure to read it means: not loadable, and nothing ran
+        raise NanoEvalError(f"{path}: refused to load ({type(e).__name__}: {e}); a torch_dist index holds only "
+                            "torch.distributed.checkpoint metadata. Fix: re-save the checkpoint with Megatron, "
+                            "or copy it again from a source you trust.") from e
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    if type(metadata) is not Metadata:
+        raise NanoEvalError(f"{path}: holds a {type(metadata).__name__}, not torch.distributed.checkpoint "
+                            "Metadata. Fix: point at a Megatron torch_dist iter_XXXXXXX folder.")
+    return metadata
+
+
+@contextlib.contextmanager
+def _checked_index(metadata):
+    """Inside: megatron-core's torch_dist loader reads the index from `metadata` instead of unpickling the file."""
+    from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    if not callable(getattr(torch_strategy, "_get_filesystem_reader", None)):
+        raise NanoEvalError("this megatron-core version reads torch_dist indexes in a way nano_eval cannot "
+                            "intercept, and torch would unpickle `.metadata` unchecked. Fix: use megatron-core "
+                            "0.16-0.19, or convert the checkpoint to the legacy format.")
+
+    class CheckedIndexReader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            if metadata.storage_meta is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    original = torch_strategy._get_filesystem_reader
+    torch_strategy._get_filesystem_reader = lambda checkpoint_dir, cache_metadata=False: CheckedIndexReader(
+        checkpoint_dir)
+    try:
+        yield
+    finally:
+        torch_strategy._get_filesystem_reader = original
 
 
 def read_common(iter_dir: Path) -> dict:
@@ -173,7 +227,7 @@ def read_dist_checkpoint(iter_dir: str | Path, overrides: Mapping | None = None)
 
     iter_dir = Path(iter_dir)
     common = read_common(iter_dir)
-    check_metadata_is_safe(iter_dir)
+    metadata = read_metadata_safely(iter_dir)
     args = {**_args_dict(common.get("args")), **dict(overrides or {})}
     hf_config_from_args(args, vocab_size=args.get("padded_vocab_size") or 1)  # refuses non-Llama args early
 
@@ -181,7 +235,7 @@ def read_dist_checkpoint(iter_dir: str | Path, overrides: Mapping | None = None)
         def load_common(self, checkpoint_dir):
             return {}
 
-    with single_stage_parallel_state():
+    with single_stage_parallel_state(), _checked_index(metadata):
         model = build_gpt_model(args)
         sharded = _model_only(model.sharded_state_dict(metadata=common.get(CONTENT_METADATA)))
         try:
