@@ -4,7 +4,7 @@
     torchrun --nproc_per_node=4 examples/train_nanotron_with_eval.py --dp 2     # TP2 x DP2
 
 nanotron's own DistributedTrainer needs CUDA and flash-attn, so on CPU the trainer is `ToyNanotronTrainer`
-(nano_eval/toy_nanotron_trainer.py): nanotron's config parser, parallel modules, sharded cross-entropy and
+(tests/toy_nanotron_trainer.py): nanotron's config parser, parallel modules, sharded cross-entropy and
 checkpoint writer, with the trainer's hook order. The evaluation part is the real thing, the same
 `NanoEvalTrainerMixin` that hooks/nanotron_eval.py puts on DistributedTrainer. W&B runs offline into
 <output-dir>/checkpoints/wandb; the eval metrics land next to `lm_loss` against `iteration_step`.
@@ -23,10 +23,11 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from nano_eval.hook import JSONL_NAME  # noqa: E402
-from nano_eval.integrations.nanotron_trainer import NanoEvalTrainerMixin, config_class  # noqa: E402
-from nano_eval.toy_nanotron_trainer import ToyNanotronTrainer  # noqa: E402
 from nano_eval.tracking.jsonl import read_jsonl  # noqa: E402
+from nano_eval.training.hook import JSONL_NAME  # noqa: E402
+from nano_eval.training.nanotron import NanoEvalTrainerMixin, config_class  # noqa: E402
+# Temporary: the CPU stand-in for nanotron's trainer lives in tests/ until the real trainer runs here.
+from tests.toy_nanotron_trainer import ToyNanotronTrainer  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 

@@ -24,9 +24,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from nano_eval.hook import JSONL_NAME, EvalHook, EvalHookConfig  # noqa: E402
 from nano_eval.toy import arithmetic_line, build_model, build_tokenizer  # noqa: E402
 from nano_eval.tracking.jsonl import read_jsonl  # noqa: E402
+from nano_eval.training.config import EvalHookConfig  # noqa: E402
+from nano_eval.training.hook import JSONL_NAME, EvalHook  # noqa: E402
 
 TASKS = "demo|arithmetic|0,demo|arithmetic_gen|3,demo|arithmetic_ppl|0"
 SHOWN = [("demo|arithmetic|0", "acc"), ("demo|arithmetic|0", "acc_norm_pmi"), ("demo|arithmetic_gen|3", "exact_match"),

@@ -4,7 +4,7 @@
 
 The YAML is a normal nanotron 0.4 config plus a `nano_eval:` section (annotated in examples/nanotron_eval.yaml):
 tasks, interval, on_save, max_samples, time_budget_s, batch_tokens, output_dir, W&B options, fail_soft. The
-trainer is nanotron's DistributedTrainer with `NanoEvalTrainerMixin` (nano_eval/integrations/nanotron_trainer.py),
+trainer is nanotron's DistributedTrainer with `NanoEvalTrainerMixin` (nano_eval/training/nanotron.py),
 which builds the evaluation once in `post_init` and runs it from `post_train_step` / `post_save_checkpoint` on
 every rank, in the model's own TP/PP/DP layout. Needs what nanotron's trainer needs: CUDA and flash-attn.
 To add evaluation to your own launcher instead, replace `DistributedTrainer` by `trainer_class()` and read the
@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from nano_eval.integrations.nanotron_trainer import config_class, trainer_class  # noqa: E402
+from nano_eval.training.nanotron import config_class, trainer_class  # noqa: E402
 
 
 def get_dataloader(trainer):

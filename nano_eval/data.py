@@ -7,27 +7,9 @@ first batch. The order of items (and so every rank's shard) is a pure function o
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
-
-@dataclass
-class ScoringItem:
-    """One row to run through the model.
-
-    `tokens` is the full token sequence (context + continuation); the model sees tokens[:-1]. The last `n_scored`
-    tokens are the targets whose log-probs we need. `key` identifies the result (request key, window index ...).
-    """
-
-    key: Any
-    tokens: list[int]
-    n_scored: int
-    truncated: int = 0  # context tokens dropped from the left to fit the model's context
-    extra: dict = field(default_factory=dict)
-
-    @property
-    def length(self) -> int:
-        return len(self.tokens)
+from nano_eval.rows import Row
 
 
 class DynamicBatchDataset:
@@ -76,9 +58,9 @@ class DynamicBatchDataset:
 
 
 class LoglikelihoodDataset(DynamicBatchDataset):
-    """Context + continuation rows, sorted by total length."""
+    """Rows to score (nano_eval.rows), sorted by total length."""
 
-    def __init__(self, items: Sequence[ScoringItem]):
+    def __init__(self, items: Sequence[Row]):
         super().__init__(items, length_fn=lambda item: item.length)
 
 
@@ -87,15 +69,16 @@ class LoglikelihoodSingleTokenDataset(LoglikelihoodDataset):
 
 
 class GenerativeTaskDataset(DynamicBatchDataset):
-    """Generation rows sorted by prompt + generation budget; batches never mix generation settings."""
+    """Generation rows (prompt-only rows with `generation` set) sorted by prompt + generation budget; batches never
+    mix generation settings."""
 
-    def __init__(self, items: Sequence[ScoringItem]):
-        super().__init__(items, length_fn=lambda item: item.length + item.extra["max_new_tokens"])
+    def __init__(self, items: Sequence[Row]):
+        super().__init__(items, length_fn=lambda row: row.input_len + row.generation.max_new_tokens)
 
     def splits_iterator(self, indices: Sequence[int], max_tokens: int, max_batch_size: int) -> Iterator[list[int]]:
         groups: dict[tuple, list[int]] = {}
         for i in indices:
-            groups.setdefault(self.sorted_items[i].extra["group"], []).append(i)
+            groups.setdefault(self.sorted_items[i].generation, []).append(i)
         for group_indices in groups.values():
             yield from super().splits_iterator(group_indices, max_tokens, max_batch_size)
 

@@ -1,6 +1,6 @@
 """The scoring core every backend shares: tokenise once, batch, forward, score, gather.
 
-`prepare_*` turn requests into sorted datasets of token rows (done once, when an Evaluator is built);
+`prepare_*` turn requests into sorted datasets of rows (nano_eval.rows; done once, when an Evaluator is built);
 `run_*` push those rows through `backend.forward` and return one result per request key, identical on every rank.
 Tokenisation follows lm-evaluation-harness exactly so that scores agree with it.
 """
@@ -13,24 +13,20 @@ from typing import Any, Iterator, Sequence
 import torch
 from tqdm import tqdm
 
-from nano_eval.data import (
-    DynamicBatchDataset,
-    GenDistributedSampler,
-    GenerativeTaskDataset,
-    LoglikelihoodDataset,
-    ScoringItem,
-)
+from nano_eval.backends.base import Backend
+from nano_eval.data import DynamicBatchDataset, GenDistributedSampler, GenerativeTaskDataset, LoglikelihoodDataset
 from nano_eval.errors import NanoEvalError
-from nano_eval.models.base import Backend, Batch
-from nano_eval.packing import PackedRow, build_segments, make_packed_batch, pack_rows, share_prefixes, split_packed
-from nano_eval.parallel import broadcast_from_output_stage, broadcast_tensor_from_output_stage, gather_dicts_over_dp
-from nano_eval.requests import (
+from nano_eval.generate import greedy_decode
+from nano_eval.packing import build_segments, pack_rows, share_prefixes
+from nano_eval.parallel import broadcast_from_output_stage, gather_dicts_over_dp
+from nano_eval.rows import Choice, Generation, Row, Segment, last_position_row, make_batch, plain_row, split_scores
+from nano_eval.scoring import VocabShard, target_logprobs
+from nano_eval.tasks.requests import (
     GreedyUntilRequest,
     LoglikelihoodRequest,
     LoglikelihoodRollingRequest,
     LoglikelihoodSingleTokenRequest,
 )
-from nano_eval.scoring import VocabShard, argmax_tokens, target_logprobs
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,14 +48,6 @@ class LoglikelihoodResult:
     is_greedy: bool  # greedy decoding reproduces the continuation exactly
     num_tokens: int
     truncated: int  # context tokens dropped on the left
-
-
-@dataclass(frozen=True)
-class GenerationResult:
-    text: str
-    tokens: list[int]
-    input_tokens: list[int]
-    truncated: int
 
 
 class Engine:
@@ -89,17 +77,16 @@ class Engine:
         whole, ctx = self.encode(context + continuation), self.encode(context)
         return ctx, whole[len(ctx) :]
 
-    def _fit(self, key: Any, context: list[int], continuation: list[int], what: str) -> ScoringItem:
-        """One row scoring `continuation`, its context cut on the left to fit the model's context length."""
+    def _fit(self, key: Any, context: list[int], continuation: list[int], what: str) -> Row:
+        """The row scoring `continuation`, its context cut on the left to fit the model's context length."""
         limit = self.backend.max_length + 1  # the model sees all tokens but the last
         if len(continuation) >= limit:
             raise NanoEvalError(
                 f"{what}: the continuation alone has {len(continuation)} tokens but the model accepts "
                 f"{self.backend.max_length}. Fix: raise the model's max length (--max-length) or drop this task."
             )
-        tokens = context + continuation
-        truncated = max(0, len(tokens) - limit)
-        return ScoringItem(key=key, tokens=tokens[truncated:], n_scored=len(continuation), truncated=truncated)
+        truncated = max(0, len(context) + len(continuation) - limit)
+        return plain_row(key, context[truncated:], continuation, truncated)
 
     # ---- preparing ---------------------------------------------------------------------------------------------
 
@@ -109,8 +96,8 @@ class Engine:
         return self.batching.packing and bool(getattr(self.backend, "supports_packed_rows", False))
 
     def prepare_loglikelihood(self, requests: Sequence[LoglikelihoodRequest]) -> LoglikelihoodDataset:
-        """Rows of PackedRow: a document's requests share one row where the backend allows it (nano_eval.packing),
-        single-token choices share one row on every backend; otherwise one row per request, as before."""
+        """A document's requests share one row where the backend allows it (nano_eval.packing); single-token
+        choices share one row on every backend; otherwise one plain row per request."""
         groups: dict[tuple, list] = {}
         for r in requests:
             ctx, cont = self.encode_pair(r.context, r.choice)
@@ -128,8 +115,9 @@ class Engine:
         return LoglikelihoodDataset(rows + pack_rows(segments, b.pack_tokens))
 
     def prepare_single_token(self, requests: Sequence[LoglikelihoodSingleTokenRequest]) -> LoglikelihoodDataset:
-        """One row per context; every choice must be one token and all are scored at the last position."""
-        items = []
+        """One row per context; every choice must be one token and all are scored at the last position (the
+        request's result is a list, one entry per choice)."""
+        rows = []
         for r in requests:
             ids = []
             for choice in r.choices:
@@ -141,23 +129,24 @@ class Engine:
                     )
                 ids.append(cont[0])
             r.tokenized_context, r.tokenized_continuation = ctx, ids
-            item = self._fit(r.key, ctx, ids[:1], f"task {r.task_name}, document {r.sample_index}")
-            item.extra["choice_ids"] = ids
-            items.append(item)
-        return LoglikelihoodDataset(items)
+            fitted = self._fit(r.key, ctx, ids[:1], f"task {r.task_name}, document {r.sample_index}").segments[0]
+            cut = fitted.choices[0].truncated
+            rows.append(Row([Segment(fitted.context, [Choice(r.key, [i], cut, slot=j) for j, i in enumerate(ids)])]))
+        return LoglikelihoodDataset(rows)
 
     def prepare_rolling(self, requests: Sequence[LoglikelihoodRollingRequest]) -> LoglikelihoodDataset:
         """Whole-text log-likelihood in disjoint windows of the model's length (lm-eval's rolling windows)."""
-        items = []
+        rows = []
         for r in requests:
             tokens = self.encode(r.context)
             r.tokenized_context = tokens
             for w, (ctx, cont) in enumerate(rolling_windows(tokens, self.prefix_id, self.backend.max_length)):
-                items.append(ScoringItem(key=(r.key, w), tokens=ctx + cont, n_scored=len(cont)))
-        return LoglikelihoodDataset(items)
+                rows.append(plain_row((r.key, w), ctx, cont))
+        return LoglikelihoodDataset(rows)
 
     def prepare_greedy(self, requests: Sequence[GreedyUntilRequest]) -> GenerativeTaskDataset:
-        items = []
+        """One prompt-only row per request, its prompt cut on the left to leave room for the generation."""
+        rows = []
         for r in requests:
             max_new = r.generation_size or self.batching.default_generation_size
             room = self.backend.max_length - max_new
@@ -169,14 +158,13 @@ class Engine:
             tokens = self.encode(r.context) if r.context else [self.prefix_id]
             r.tokenized_context = tokens
             truncated = max(0, len(tokens) - room)
-            group = (max_new, tuple(r.stop_sequence or ()))
-            extra = {"max_new_tokens": max_new, "stop": list(r.stop_sequence or ()), "group": group}
-            items.append(ScoringItem(key=r.key, tokens=tokens[truncated:], n_scored=0, truncated=truncated, extra=extra))
-        return GenerativeTaskDataset(items)
+            generation = Generation(max_new, tuple(r.stop_sequence or ()))
+            rows.append(last_position_row(r.key, tokens[truncated:], truncated, generation))
+        return GenerativeTaskDataset(rows)
 
     # ---- running -----------------------------------------------------------------------------------------------
 
-    def _my_batches(self, dataset: DynamicBatchDataset, desc: str) -> Iterator[list[ScoringItem]]:
+    def _my_batches(self, dataset: DynamicBatchDataset, desc: str) -> Iterator[list[Row]]:
         """This data-parallel rank's shard of `dataset`, in token-budget batches, with a progress bar on rank 0."""
         shard = list(GenDistributedSampler(dataset, self.layout.dp_size, self.layout.dp_rank))
         b = self.batching
@@ -189,63 +177,31 @@ class Engine:
         return VocabShard.of(logits.shape[-1], lay.tp_rank, lay.tp_group, lay.tp_size)
 
     def run_loglikelihood(self, dataset: LoglikelihoodDataset, desc: str = "loglikelihood") -> dict:
-        """{key: LoglikelihoodResult} (rolling windows keyed (request key, window)); single-token rows give a
+        """{key: LoglikelihoodResult} (rolling windows keyed (request key, window)); single-token requests give a
         list of results, one per choice. Same dict on every rank."""
         local: dict = {}
-        for items in self._my_batches(dataset, desc):
-            packed = isinstance(items[0], PackedRow)
-            batch = make_packed_batch(items, self.pad_id, self.packs_rows) if packed else make_scoring_batch(
-                items, self.pad_id)
+        slotted: dict = {}  # single-token requests: {key: {slot: result}}
+        for rows in self._my_batches(dataset, desc):
+            batch = make_batch(rows, self.pad_id, self.packs_rows)
             logits = self.backend.forward(batch)
             if logits is None:
                 continue
             logprobs, greedy = target_logprobs(logits, batch.targets.to(logits.device), self._vocab_shard(logits))
-            if packed:
-                local.update((k, LoglikelihoodResult(*res)) for k, *res in split_packed(
-                    items, logprobs.tolist(), greedy.tolist()))
-            else:
-                local.update(_split_rows(items, logprobs.tolist(), greedy.tolist()))
+            for choice, *scores in split_scores(rows, logprobs.tolist(), greedy.tolist()):
+                result = LoglikelihoodResult(*scores, choice.truncated)
+                if choice.slot is None:
+                    local[choice.key] = result
+                else:
+                    slotted.setdefault(choice.key, {})[choice.slot] = result
+        local.update((key, [results[i] for i in sorted(results)]) for key, results in slotted.items())
         return gather_dicts_over_dp(broadcast_from_output_stage(local, self.layout), self.layout)
 
     def run_greedy(self, dataset: GenerativeTaskDataset, desc: str = "generate") -> dict:
         """{key: GenerationResult}: greedy continuation up to a stop sequence, EOS or max_new_tokens."""
         local: dict = {}
-        for items in self._my_batches(dataset, desc):
-            local.update(self._generate(items))
+        for rows in self._my_batches(dataset, desc):
+            local.update(greedy_decode(self.backend, rows, self.pad_id, self.eos_id, self._vocab_shard))
         return gather_dicts_over_dp(broadcast_from_output_stage(local, self.layout), self.layout)
-
-    def _generate(self, items: list[ScoringItem]) -> dict:
-        """Greedy decoding by re-running the prompt each step (no KV cache: works for every backend).
-
-        Every rank of the replica receives the chosen tokens from the output stage, so all agree on when to stop.
-        """
-        tok = self.backend.tokenizer
-        max_new, stops = items[0].extra["max_new_tokens"], items[0].extra["stop"]
-        generated: list[list[int]] = [[] for _ in items]
-        active = list(range(len(items)))
-        for _ in range(max_new):
-            seqs = [items[i].tokens + generated[i] for i in active]
-            batch = make_last_position_batch(seqs, self.pad_id)
-            logits = self.backend.forward(batch)
-            next_ids = torch.zeros(len(active), dtype=torch.int64, device=self.layout.device)
-            if logits is not None:
-                next_ids = argmax_tokens(logits, self._vocab_shard(logits)).to(next_ids.device)
-            next_ids = broadcast_tensor_from_output_stage(next_ids, self.layout).tolist()
-            still = []
-            for i, t in zip(active, next_ids):
-                if t == self.eos_id:
-                    continue
-                generated[i].append(t)
-                if not _hit_stop(tok.decode(generated[i]), stops):
-                    still.append(i)
-            active = still
-            if not active:
-                break
-        out = {}
-        for item, gen in zip(items, generated):
-            text = _cut_at_stop(tok.decode(gen), stops)
-            out[item.key] = GenerationResult(text=text, tokens=gen, input_tokens=item.tokens, truncated=item.truncated)
-        return out
 
 
 def rolling_windows(tokens: list[int], prefix_id: int, max_len: int) -> Iterator[tuple[list[int], list[int]]]:
@@ -264,65 +220,3 @@ def rolling_windows(tokens: list[int], prefix_id: int, max_len: int) -> Iterator
         end = done + n_pred
         yield tokens[end - max_len - 1 : done], tokens[done:end]
         done = end
-
-
-def make_scoring_batch(items: Sequence[ScoringItem], pad_id: int) -> Batch:
-    """Right-padded inputs (each row's tokens minus its last) and the positions that predict scored tokens."""
-    width = max(it.length for it in items) - 1
-    input_ids = torch.full((len(items), width), pad_id, dtype=torch.int64)
-    mask = torch.zeros((len(items), width), dtype=torch.int64)
-    rows, cols, targets = [], [], []
-    for r, it in enumerate(items):
-        n = it.length - 1
-        input_ids[r, :n] = torch.tensor(it.tokens[:-1])
-        mask[r, :n] = 1
-        choice_ids = it.extra.get("choice_ids")
-        if choice_ids is not None:  # single-token choices: all scored at the last position
-            rows += [r] * len(choice_ids)
-            cols += [n - 1] * len(choice_ids)
-            targets += choice_ids
-        else:
-            rows += [r] * it.n_scored
-            cols += range(n - it.n_scored, n)
-            targets += it.tokens[-it.n_scored :]
-    as_long = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
-    return Batch(input_ids, mask, as_long(rows), as_long(cols), as_long(targets))
-
-
-def make_last_position_batch(seqs: Sequence[list[int]], pad_id: int) -> Batch:
-    """Right-padded full sequences; the logits wanted are at each row's last token (for generation)."""
-    width = max(len(s) for s in seqs)
-    input_ids = torch.full((len(seqs), width), pad_id, dtype=torch.int64)
-    mask = torch.zeros((len(seqs), width), dtype=torch.int64)
-    for r, s in enumerate(seqs):
-        input_ids[r, : len(s)] = torch.tensor(s)
-        mask[r, : len(s)] = 1
-    lengths = torch.tensor([len(s) for s in seqs], dtype=torch.int64)
-    rows = torch.arange(len(seqs), dtype=torch.int64)
-    return Batch(input_ids, mask, rows, lengths - 1, torch.full((len(seqs),), -1, dtype=torch.int64))
-
-
-def _split_rows(items: Sequence[ScoringItem], logprobs: list[float], greedy: list[bool]) -> dict:
-    """Per-item results from the flat per-position scores of one batch (same order as make_scoring_batch)."""
-    out, k = {}, 0
-    for it in items:
-        choice_ids = it.extra.get("choice_ids")
-        if choice_ids is not None:
-            n = len(choice_ids)
-            out[it.key] = [LoglikelihoodResult(logprobs[k + j], greedy[k + j], 1, it.truncated) for j in range(n)]
-        else:
-            n = it.n_scored
-            out[it.key] = LoglikelihoodResult(sum(logprobs[k : k + n]), all(greedy[k : k + n]), n, it.truncated)
-        k += n
-    return out
-
-
-def _hit_stop(text: str, stops: Sequence[str]) -> bool:
-    return any(s and s in text for s in stops)
-
-
-def _cut_at_stop(text: str, stops: Sequence[str]) -> str:
-    for s in stops:
-        if s and s in text:
-            text = text.split(s, 1)[0]
-    return text

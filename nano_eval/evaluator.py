@@ -11,11 +11,12 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from nano_eval.engine import BatchingConfig, Engine, GenerationResult
-from nano_eval.models.base import Backend, evaluation_mode
-from nano_eval.models.response import ModelResponse
-from nano_eval.requests import Doc, Request, RequestType
+from nano_eval.backends.base import Backend, evaluation_mode
+from nano_eval.engine import BatchingConfig, Engine
+from nano_eval.generate import GenerationResult
+from nano_eval.response import ModelResponse
 from nano_eval.tasks import Task, TaskSpec, build_requests
+from nano_eval.tasks.requests import Doc, Request, RequestType
 
 
 @dataclass(frozen=True, kw_only=True)

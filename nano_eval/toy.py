@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from nano_eval.tracking.files import current_umask
+
 WORDS = (
     "the a an of to in and is was for on with as by at from that this it be are or which one two three four five "
     "six seven eight nine ten plus minus equals answer question man woman dog cat runs walks sits eats drinks "
@@ -96,6 +98,10 @@ def build_toy_checkpoint(path: str | Path, *, seed: int = 0, train_steps: int = 
         train_on_arithmetic(model, tokenizer, train_steps, seed=seed)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
+    mode = 0o666 & ~current_umask()  # transformers writes the weights 0600 (a temporary file renamed)
+    for f in path.rglob("*"):
+        if f.is_file():
+            f.chmod(mode)
     return path
 
 

@@ -114,9 +114,9 @@ def nano_tasks(pairs, mirror):
 def run_nano(model, tokenizer, pairs, mirror, limit, *, packing: bool, pack_tokens: int, batch_tokens: int,
              shared_prefix: bool = True):
     """((end-to-end s, scoring s), {task: [per-doc metrics]}, evaluator) for one nano_eval run."""
+    from nano_eval.backends.transformers import TransformersModel
     from nano_eval.engine import BatchingConfig
     from nano_eval.evaluator import EvalConfig, Evaluator
-    from nano_eval.models.transformers_model import TransformersModel
 
     start = time.perf_counter()
     specs, tasks = nano_tasks(pairs, mirror)
@@ -168,13 +168,14 @@ def run_floor(model, evaluator, batch_tokens: int) -> float:
     import torch
 
     from nano_eval.data import LoglikelihoodDataset
-    from nano_eval.packing import Segment, make_packed_batch, pack_rows
-    from nano_eval.requests import RequestType
+    from nano_eval.packing import pack_rows
+    from nano_eval.rows import Segment, make_batch
+    from nano_eval.tasks.requests import RequestType
 
     segments = [Segment(row.prefix + seg.context, seg.choices)
                 for row in evaluator.datasets[RequestType.LOGLIKELIHOOD].items for seg in row.segments]
     dataset = LoglikelihoodDataset(pack_rows(segments, FLOOR_ROW))
-    batches = [make_packed_batch([dataset[i] for i in b], 0, with_mask=True)
+    batches = [make_batch([dataset[i] for i in b], 0, with_mask=True)
                for b in dataset.splits_iterator(list(range(len(dataset))), batch_tokens, 512)]
     decoder, head = model.get_decoder(), model.get_output_embeddings()
     start = time.perf_counter()
@@ -246,7 +247,7 @@ def mean_acc(docs: dict) -> str:
 
 def token_counts(packed_evaluator, flat_evaluator) -> tuple[int, int, int]:
     """Input tokens: packing off, each document's context once (the floor's set), packed with shared prefixes."""
-    from nano_eval.requests import RequestType
+    from nano_eval.tasks.requests import RequestType
 
     flat, packed = (ev.datasets[RequestType.LOGLIKELIHOOD].items for ev in (flat_evaluator, packed_evaluator))
     unique = sum(len(r.prefix) * len(r.segments) + sum(s.input_len for s in r.segments) for r in packed)

@@ -144,18 +144,18 @@ class SideRun:
 
 def run_nano_eval(checkpoint: str, spec: str, *, data_dir: str | None, limit: int | None, max_length: int | None,
                   batch_tokens: int) -> SideRun:
+    from nano_eval.checkpoints.hf import load_transformers
     from nano_eval.engine import BatchingConfig
     from nano_eval.evaluator import EvalConfig, Evaluator
-    from nano_eval.models.transformers_model import TransformersModel
-    from nano_eval.requests import RequestType
     from nano_eval.tasks import Registry, load_datasets
+    from nano_eval.tasks.requests import RequestType
 
     start = time.perf_counter()
     registry = Registry()
     specs = registry.parse_specs(spec)
     tasks = registry.get_task_dict(specs, data_dir=data_dir)
     load_datasets(tasks)
-    backend = TransformersModel.from_pretrained(str(checkpoint), device="cpu", dtype="float32", max_length=max_length)
+    backend = load_transformers(str(checkpoint), device="cpu", dtype="float32", max_length=max_length)
     config = EvalConfig(max_samples=limit, batching=BatchingConfig(max_batch_tokens=batch_tokens), progress=False)
     evaluator = Evaluator(backend, [(s, tasks[s.full_name]) for s in specs], config)
     rolling = evaluator.datasets.get(RequestType.LOGLIKELIHOOD_ROLLING)

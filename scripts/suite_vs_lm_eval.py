@@ -163,14 +163,14 @@ def lm_name(pair: Pair) -> str:
 
 def run_nano_eval(checkpoint: str, pairs: list[Pair], mirror: Path, limit: int) -> dict[str, dict]:
     """{task: {"metrics": {...}, "strings": [[(context, continuation), ...] per doc]}}, one model load for all."""
+    from nano_eval.checkpoints.hf import load_transformers
     from nano_eval.evaluator import EvalConfig, Evaluator
-    from nano_eval.models.transformers_model import TransformersModel
     from nano_eval.tasks import Registry
 
     registry = Registry()
     specs = registry.parse_specs([f"lighteval|{p.task}|{p.shots}" for p in pairs])
     tasks = registry.get_task_dict(specs, data_dir=mirror)
-    backend = TransformersModel.from_pretrained(checkpoint, device="cpu", dtype="float32")
+    backend = load_transformers(checkpoint, device="cpu", dtype="float32")
     evaluator = Evaluator(backend, [(s, tasks[s.full_name]) for s in specs], EvalConfig(max_samples=limit,
                                                                                        progress=False))
     results = evaluator.evaluate().tasks

@@ -12,6 +12,6 @@ def toy_checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def toy_backend(toy_checkpoint):
-    from nano_eval.models.transformers_model import TransformersModel
+    from nano_eval.checkpoints.hf import load_transformers
 
-    return TransformersModel.from_pretrained(str(toy_checkpoint))
+    return load_transformers(str(toy_checkpoint))

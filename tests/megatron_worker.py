@@ -16,8 +16,8 @@ def _setup(tp: int):
 def _backend(tokenizer_dir, seed=0):
     from transformers import AutoTokenizer
 
-    from nano_eval.models.megatron_model import MegatronModel
-    from nano_eval.toy_megatron import ToyConfig, build_toy_megatron_model
+    from nano_eval.backends.megatron import MegatronModel
+    from tests.toy_megatron import ToyConfig, build_toy_megatron_model
 
     cfg = ToyConfig()
     model = build_toy_megatron_model(cfg, seed=seed)
@@ -56,7 +56,7 @@ def cross_entropy_agreement(backend) -> float:
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     from nano_eval.engine import Engine
-    from nano_eval.requests import LoglikelihoodRequest
+    from nano_eval.tasks.requests import LoglikelihoodRequest
 
     engine = Engine(backend, progress=False)
     pairs = [("Question: 3 plus 4\nAnswer:", " 7"), ("The dog runs", " to the big house."), ("", "Yes no true")]
@@ -85,7 +85,7 @@ def save_legacy_checkpoint(model, root: Path, iteration: int):
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.enums import AttnBackend
 
-    from nano_eval.toy_megatron import megatron_args
+    from tests.toy_megatron import megatron_args
 
     tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     args = megatron_args(model.cfg, tp=tp)
@@ -104,8 +104,8 @@ def save_legacy_checkpoint(model, root: Path, iteration: int):
 
 def run_hook(model, tokenizer, out_dir):
     """The pretrain hook called the way Megatron's evaluate() calls it: non_loss_data_func([model chunks])."""
-    from nano_eval.integrations.megatron_pretrain import make_non_loss_data_func
-    from nano_eval.hook import EvalHookConfig
+    from nano_eval.training.config import EvalHookConfig
+    from nano_eval.training.megatron import make_non_loss_data_func
 
     config = EvalHookConfig(tasks="demo|arithmetic|0", max_samples=12, output_dir=out_dir, wandb=False)
     step = {"value": 300}
@@ -147,8 +147,8 @@ def toy_gpt_model(args):
 
     from megatron.core import parallel_state as ps
 
-    from nano_eval.models.megatron_dist_ckpt import build_gpt_model
-    from nano_eval.toy_megatron import ToyConfig, logical_weights, megatron_shard
+    from nano_eval.checkpoints.megatron_dist import build_gpt_model
+    from tests.toy_megatron import ToyConfig, logical_weights, megatron_shard
 
     cfg, pp = ToyConfig(), ps.get_pipeline_model_parallel_world_size()
     first = ps.get_pipeline_model_parallel_rank() * cfg.num_layers // pp
@@ -218,8 +218,8 @@ def dist_checkpoint_checks(rank, world, root, iteration=100):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from nano_eval.models.megatron_to_hf import load_megatron_llama_as_hf
-    from nano_eval.toy_megatron import ToyConfig, build_toy_megatron_model, megatron_args
+    from nano_eval.checkpoints.megatron_legacy import load_megatron_llama_as_hf
+    from tests.toy_megatron import ToyConfig, build_toy_megatron_model, megatron_args
 
     _setup(2)
     root = Path(root)
@@ -238,7 +238,7 @@ def dist_checkpoint_checks(rank, world, root, iteration=100):
 def save_dist_layout(rank, world, root, tp, pp, untie=True, iteration=100):
     """The toy model saved as torch_dist at tp x pp (world = tp x pp) with tied or untied embeddings."""
     from nano_eval.compat.megatron import initialize_cpu_model_parallel
-    from nano_eval.toy_megatron import ToyConfig, megatron_args
+    from tests.toy_megatron import ToyConfig, megatron_args
 
     warnings.filterwarnings("ignore", module="megatron")
     initialize_cpu_model_parallel(tp=tp, pp=pp)

@@ -9,8 +9,8 @@ def train(rank, world, config_path, wandb_dir):
 
     os.environ.update(WANDB_MODE="offline", WANDB_SILENT="true", WANDB_DISABLE_GIT="true", WANDB_DIR=wandb_dir)
     torch.set_num_threads(1)
-    from nano_eval.integrations.nanotron_trainer import NanoEvalTrainerMixin, config_class
-    from nano_eval.toy_nanotron_trainer import ToyNanotronTrainer
+    from nano_eval.training.nanotron import NanoEvalTrainerMixin, config_class
+    from tests.toy_nanotron_trainer import ToyNanotronTrainer
 
     trainer_cls = type("ToyEvaluatingTrainer", (NanoEvalTrainerMixin, ToyNanotronTrainer), {})
     trainer = trainer_cls(config_path, config_class=config_class())

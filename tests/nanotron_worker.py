@@ -8,7 +8,7 @@ VOCAB = 544  # >= the toy tokenizer's 537 tokens, divisible by every TP degree t
 def evaluate_layout(rank, world, tp, pp, dp, tokenizer_dir, tasks, batch_tokens=256, max_samples=16, qwen_style=False):
     """Build the toy nanotron model in a tp x pp x dp layout and evaluate `tasks`; returns a summary per task."""
     from nano_eval.compat.nanotron import cpu_parallel_context
-    from nano_eval.toy_nanotron import ToyConfig, build_toy_nanotron_model
+    from tests.toy_nanotron import ToyConfig, build_toy_nanotron_model
 
     pc = cpu_parallel_context(tp=tp, pp=pp, dp=dp)
     cfg = ToyConfig(vocab_size=VOCAB, position_ids_input=qwen_style)
@@ -20,7 +20,7 @@ def evaluate_model(model, pc, cfg, tokenizer_dir, tasks, batch_tokens=256, max_s
     """Evaluate `tasks` on a built nanotron `model` with the NanotronModel backend; returns a summary per task."""
     from transformers import AutoTokenizer
 
-    from nano_eval.models.nanotron_model import NanotronModel
+    from nano_eval.backends.nanotron import NanotronModel
 
     backend = NanotronModel(model, pc, AutoTokenizer.from_pretrained(tokenizer_dir), max_length=cfg.max_position_embeddings)
     return summarize(backend, tasks, batch_tokens, max_samples)
@@ -53,11 +53,11 @@ def peak_scoring_memory_mb(rank, world, tp, vocab, tokenizer_dir):
 
     from transformers import AutoTokenizer
 
+    from nano_eval.backends.nanotron import NanotronModel
     from nano_eval.compat.nanotron import cpu_parallel_context
     from nano_eval.engine import Engine
-    from nano_eval.models.nanotron_model import NanotronModel
-    from nano_eval.requests import LoglikelihoodRequest
-    from nano_eval.toy_nanotron import ToyConfig, build_toy_nanotron_model
+    from nano_eval.tasks.requests import LoglikelihoodRequest
+    from tests.toy_nanotron import ToyConfig, build_toy_nanotron_model
 
     pc = cpu_parallel_context(tp=tp, pp=1, dp=1)
     cfg = ToyConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=1, max_position_embeddings=256)
@@ -79,7 +79,7 @@ def save_and_evaluate_checkpoint(rank, world, tp, pp, dp, ckpt_dir, tokenizer_di
     import torch.distributed as dist
 
     from nano_eval.compat.nanotron import cpu_parallel_context, import_nanotron
-    from nano_eval.toy_nanotron import ToyConfig, build_toy_nanotron_model
+    from tests.toy_nanotron import ToyConfig, build_toy_nanotron_model
 
     import_nanotron()
     from nanotron.serialize import save_weights
@@ -100,7 +100,7 @@ def evaluate_checkpoint(rank, world, tp, pp, dp, ckpt_dir, tokenizer_dir, tasks,
     evaluate it. With `reference_seed`, also evaluate the seed-`reference_seed` model built directly and the
     seed-`load_seed` model before loading (so a load that does nothing is caught)."""
     from nano_eval.compat.nanotron import cpu_parallel_context
-    from nano_eval.toy_nanotron import ToyConfig, build_toy_nanotron_model
+    from tests.toy_nanotron import ToyConfig, build_toy_nanotron_model
 
     pc = cpu_parallel_context(tp=tp, pp=pp, dp=dp)
     cfg = ToyConfig(vocab_size=VOCAB)
@@ -115,7 +115,7 @@ def evaluate_checkpoint(rank, world, tp, pp, dp, ckpt_dir, tokenizer_dir, tasks,
 
 def _load_and_evaluate(pc, cfg, ckpt_dir, tokenizer_dir, tasks, seed, batch_tokens, max_samples):
     from nano_eval.compat.nanotron import import_nanotron
-    from nano_eval.toy_nanotron import build_toy_nanotron_model
+    from tests.toy_nanotron import build_toy_nanotron_model
 
     import_nanotron()
     from nanotron.serialize import load_weights
@@ -132,9 +132,9 @@ def evaluate_with_failing_rank(rank, world, tokenizer_dir, failing_rank=1):
 
     from transformers import AutoTokenizer
 
+    from nano_eval.backends.nanotron import NanotronModel
     from nano_eval.compat.nanotron import cpu_parallel_context
-    from nano_eval.models.nanotron_model import NanotronModel
-    from nano_eval.toy_nanotron import ToyConfig, build_toy_nanotron_model
+    from tests.toy_nanotron import ToyConfig, build_toy_nanotron_model
 
     pc = cpu_parallel_context(tp=world, pp=1, dp=1)
     cfg = ToyConfig(vocab_size=VOCAB)

@@ -60,8 +60,8 @@ def save_nanotron_run(rank, world, run_dir, tokenizer_dir, steps, seq_len=128):
     import yaml
 
     from nano_eval.compat.nanotron import cpu_parallel_context, import_nanotron
-    from nano_eval.toy_nanotron import ToyConfig, build_toy_nanotron_model
     from tests.nanotron_worker import VOCAB
+    from tests.toy_nanotron import ToyConfig, build_toy_nanotron_model
 
     import_nanotron()
     from nanotron.serialize import save_weights

@@ -2,16 +2,21 @@
 
 import pytest
 
-from nano_eval.data import GenDistributedSampler, GenerativeTaskDataset, LoglikelihoodDataset, ScoringItem
+from nano_eval.data import GenDistributedSampler, GenerativeTaskDataset, LoglikelihoodDataset
+from nano_eval.rows import Generation, last_position_row, plain_row
 
 
 def _items(lengths):
-    return [ScoringItem(key=i, tokens=list(range(n)), n_scored=1) for i, n in enumerate(lengths)]
+    return [plain_row(i, list(range(n - 1)), [n - 1]) for i, n in enumerate(lengths)]  # rows of n tokens
+
+
+def _key(row):
+    return row.segments[0].choices[0].key
 
 
 def test_sorted_longest_first_and_stable():
     ds = LoglikelihoodDataset(_items([3, 9, 5, 9, 1]))
-    assert [it.key for it in ds.sorted_items] == [1, 3, 2, 0, 4]
+    assert [_key(it) for it in ds.sorted_items] == [1, 3, 2, 0, 4]
 
 
 def test_batches_respect_token_budget_and_pad_to_own_longest():
@@ -26,7 +31,7 @@ def test_batches_respect_token_budget_and_pad_to_own_longest():
 
 def test_get_original_order_restores_and_raises_on_missing():
     ds = LoglikelihoodDataset(_items([3, 9, 5]))
-    assert ds.get_original_order([ds[i].key for i in range(3)]) == [0, 1, 2]
+    assert ds.get_original_order([_key(ds[i]) for i in range(3)]) == [0, 1, 2]
     with pytest.raises(RuntimeError, match="missing"):
         ds.get_original_order([1, None, 0])
 
@@ -40,8 +45,7 @@ def test_sampler_covers_everything_with_equal_shard_sizes(n, world):
 
 
 def test_generative_batches_never_mix_generation_settings():
-    items = [ScoringItem(key=i, tokens=[1] * 5, n_scored=0, extra={"max_new_tokens": 4, "group": (4, (g,))})
-             for i, g in enumerate("abab")]
+    items = [last_position_row(i, [1] * 5, generation=Generation(4, (g,))) for i, g in enumerate("abab")]
     ds = GenerativeTaskDataset(items)
     for b in ds.splits_iterator(range(4), max_tokens=1000, max_batch_size=10):
-        assert len({ds[i].extra["group"] for i in b}) == 1
+        assert len({ds[i].generation for i in b}) == 1

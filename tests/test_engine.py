@@ -3,10 +3,10 @@
 import pytest
 import torch
 
+from nano_eval.backends.transformers import TransformersModel
 from nano_eval.engine import BatchingConfig, Engine, rolling_windows
 from nano_eval.errors import NanoEvalError
-from nano_eval.models.transformers_model import TransformersModel
-from nano_eval.requests import (
+from nano_eval.tasks.requests import (
     GreedyUntilRequest,
     LoglikelihoodRequest,
     LoglikelihoodRollingRequest,

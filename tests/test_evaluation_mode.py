@@ -5,13 +5,13 @@ import random
 import numpy as np
 import torch
 
+from nano_eval.checkpoints.hf import load_transformers
 from nano_eval.evaluator import EvalConfig, Evaluator
-from nano_eval.models.transformers_model import TransformersModel
 from nano_eval.tasks import Registry
 
 
 def test_evaluate_restores_training_state_and_rng(toy_checkpoint):
-    backend = TransformersModel.from_pretrained(str(toy_checkpoint))
+    backend = load_transformers(str(toy_checkpoint))
     model = backend.model
     model.train()
     model.model.layers[0].eval()  # a submodule the trainer froze: must stay in eval mode

@@ -17,10 +17,10 @@ TASKS = "demo|arithmetic|0,demo|arithmetic_gen|3,demo|arithmetic_ppl|0"
 
 
 def _scores(checkpoint, device):
-    from nano_eval.models.transformers_model import TransformersModel
+    from nano_eval.checkpoints.hf import load_transformers
     from tests.nanotron_worker import summarize
 
-    return summarize(TransformersModel.from_pretrained(str(checkpoint), device=device), TASKS, 4096, 24)
+    return summarize(load_transformers(str(checkpoint), device=device), TASKS, 4096, 24)
 
 
 def test_transformers_backend_on_cuda_matches_cpu(toy_checkpoint):

@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from nano_eval.hook import EvalHook, EvalHookConfig, EvalHookError
-from nano_eval.models.transformers_model import TransformersModel
+from nano_eval.backends.transformers import TransformersModel
 from nano_eval.tracking.jsonl import append_jsonl, read_jsonl
+from nano_eval.training.config import EvalHookConfig
+from nano_eval.training.hook import EvalHook, EvalHookError
 from tests.dist_utils import run_distributed
 
 TASKS = "demo|arithmetic|0,demo|arithmetic_gen|3"

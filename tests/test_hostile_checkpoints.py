@@ -52,7 +52,7 @@ def _dist_checkpoint(root, metadata: bytes):
 
 
 def test_torch_dist_metadata_is_refused(tmp_path, sentinel):
-    from nano_eval.models.megatron_dist_ckpt import read_metadata_safely
+    from nano_eval.checkpoints.megatron_dist import read_metadata_safely
 
     for i, p in enumerate(payloads(sentinel)):
         for how in NESTINGS:
@@ -66,8 +66,8 @@ def test_torch_dist_metadata_is_refused(tmp_path, sentinel):
 
 @pytest.mark.parametrize("kind", ["common.pt", "legacy model_optim_rng.pt"])
 def test_megatron_pickles_are_refused(tmp_path, sentinel, kind):
-    from nano_eval.models.megatron_dist_ckpt import read_common
-    from nano_eval.models.megatron_to_hf import load_megatron_llama_as_hf
+    from nano_eval.checkpoints.megatron_dist import read_common
+    from nano_eval.checkpoints.megatron_legacy import load_megatron_llama_as_hf
 
     for i, p in enumerate(payloads(sentinel)):
         for how in NESTINGS:
@@ -88,7 +88,7 @@ def test_megatron_pickles_are_refused(tmp_path, sentinel, kind):
 def test_transformers_bin_is_refused(tmp_path, sentinel, toy_checkpoint):
     import shutil
 
-    from nano_eval.models.transformers_model import TransformersModel
+    from nano_eval.checkpoints.hf import load_transformers
 
     for i, p in enumerate(payloads(sentinel)[:12]):  # the attribute chains go through the same torch.load
         ckpt = tmp_path / str(i)
@@ -96,14 +96,14 @@ def test_transformers_bin_is_refused(tmp_path, sentinel, toy_checkpoint):
         (ckpt / "model.safetensors").unlink()
         (ckpt / "pytorch_model.bin").write_bytes(torch_zip(checkpoint_pickle(p, "dict")))
         with pytest.raises(Exception) as raised:
-            TransformersModel.from_pretrained(str(ckpt))
+            load_transformers(str(ckpt))
         assert "weights_only" in str(raised.value) or "Weights only load failed" in str(raised.value), p.name
         assert not sentinel.exists(), f"{p.name} ran"
 
 
 def test_the_command_line_refuses_the_reported_attack(tmp_path, sentinel, toy_checkpoint, capsys):
     """`nano_eval --checkpoint <downloaded Megatron checkpoint>`: exit 2, one error line, nothing ran."""
-    from nano_eval.run import main
+    from nano_eval.cli import main
 
     attack = next(p for p in payloads(sentinel) if p.name.startswith("megatron filesystem_async"))
     iter_dir = _dist_checkpoint(tmp_path, metadata_pickle(attack, "dict"))
@@ -127,7 +127,7 @@ def test_a_genuine_index_still_loads(tmp_path):
     )
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
-    from nano_eval.models.megatron_dist_ckpt import read_metadata_safely
+    from nano_eval.checkpoints.megatron_dist import read_metadata_safely
 
     md = Metadata(
         state_dict_metadata={"w": TensorStorageMetadata(

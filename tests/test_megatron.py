@@ -3,7 +3,7 @@ vocab_parallel_cross_entropy, a TP2 legacy checkpoint converts to transformers w
 pretrain hook scores the live model.
 
 The model is built from megatron-core's real VocabParallelEmbedding / Column- / RowParallelLinear on real gloo
-process groups (nano_eval/toy_megatron.py); GPTModel itself needs CUDA (tests/test_megatron_gpu.py).
+process groups (tests/toy_megatron.py); GPTModel itself needs CUDA (tests/test_megatron_gpu.py).
 """
 
 import json
@@ -83,8 +83,8 @@ def test_legacy_checkpoint_layout(runs):
 def test_converter_reproduces_the_logical_weights(runs):
     """Merging TP shards, un-grouping linear_qkv and un-fusing linear_fc1 per shard give the exact tensors the toy
     model was built from (a wrong split of either fused matrix fails here)."""
-    from nano_eval.models.megatron_to_hf import load_megatron_llama_as_hf
-    from nano_eval.toy_megatron import ToyConfig, logical_weights
+    from nano_eval.checkpoints.megatron_legacy import load_megatron_llama_as_hf
+    from tests.toy_megatron import ToyConfig, logical_weights
 
     hf = load_megatron_llama_as_hf(runs["root"] / "run" / f"iter_{ITERATION:07d}")
     state = hf.state_dict()
@@ -95,7 +95,7 @@ def test_converter_reproduces_the_logical_weights(runs):
 
 def test_converted_checkpoint_scores_like_the_megatron_model(runs, toy_checkpoint):
     """Run dir -> tracker -> iter folder -> LlamaForCausalLM -> same scores as the TP2 Megatron model."""
-    from nano_eval.models.megatron_checkpoint import is_megatron_checkpoint, load_as_transformers
+    from nano_eval.checkpoints.megatron_legacy import is_megatron_checkpoint, load_as_transformers
     from tests.nanotron_worker import summarize
 
     run_dir = runs["root"] / "run"
@@ -118,8 +118,8 @@ def test_pretrain_hook_scores_the_live_model(runs):
 
 
 def test_checkpoint_errors_say_what_to_do(runs, tmp_path):
-    from nano_eval.models.megatron_checkpoint import is_megatron_checkpoint
-    from nano_eval.models.megatron_to_hf import load_megatron_llama_as_hf, load_shard
+    from nano_eval.checkpoints.megatron_args import load_shard
+    from nano_eval.checkpoints.megatron_legacy import is_megatron_checkpoint, load_megatron_llama_as_hf
 
     dist_ckpt = tmp_path / "iter_0000005"
     dist_ckpt.mkdir()
@@ -142,8 +142,8 @@ def test_checkpoint_errors_say_what_to_do(runs, tmp_path):
 
 def test_pretrain_hook_checks_tasks_before_training(tmp_path):
     """A typo must stop the job at start-up, not at the first validation hours into training."""
-    from nano_eval.hook import EvalHookConfig
-    from nano_eval.integrations.megatron_pretrain import make_non_loss_data_func
+    from nano_eval.training.config import EvalHookConfig
+    from nano_eval.training.megatron import make_non_loss_data_func
 
     with pytest.raises(NanoEvalError, match="arithmetc"):
         make_non_loss_data_func(EvalHookConfig(tasks="demo|arithmetc|0", output_dir=tmp_path), tokenizer=None)
@@ -152,8 +152,8 @@ def test_pretrain_hook_checks_tasks_before_training(tmp_path):
 @pytest.mark.parametrize("fail_soft", [True, False])
 def test_pretrain_hook_build_failure_follows_fail_soft(tmp_path, capsys, fail_soft):
     """Building the scorer fails here because no Megatron process groups exist (a real failure, not injected)."""
-    from nano_eval.hook import EvalHookConfig
-    from nano_eval.integrations.megatron_pretrain import make_non_loss_data_func
+    from nano_eval.training.config import EvalHookConfig
+    from nano_eval.training.megatron import make_non_loss_data_func
 
     config = EvalHookConfig(tasks="demo|arithmetic|0", output_dir=tmp_path, fail_soft=fail_soft, wandb=False)
     hook = make_non_loss_data_func(config, tokenizer=None, max_length=64, get_iteration=lambda: 7)

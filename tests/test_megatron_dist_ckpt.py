@@ -34,7 +34,7 @@ def saved(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def converted(saved):
-    from nano_eval.models.megatron_to_hf import load_megatron_llama_as_hf
+    from nano_eval.checkpoints.megatron_legacy import load_megatron_llama_as_hf
 
     return load_megatron_llama_as_hf(saved["root"] / "dist" / ITER)
 
@@ -50,7 +50,7 @@ def test_checkpoint_is_written_as_megatron_lm_writes_it(saved):
 def test_converter_reproduces_the_logical_weights(converted):
     """Megatron stacks layers, splits swiglu's linear_fc1 into two sharded halves and groups linear_qkv per query
     group; after megatron-core reshards TP2 -> TP1 and the legacy path un-fuses, every tensor is exact."""
-    from nano_eval.toy_megatron import ToyConfig, logical_weights
+    from tests.toy_megatron import ToyConfig, logical_weights
 
     state = converted.state_dict()
     for name, expected in logical_weights(ToyConfig()).items():
@@ -74,7 +74,7 @@ def test_every_rank_of_a_running_world_loads_the_same_model(saved, converted):
 
 
 def test_scores_equal_the_legacy_conversion(saved, toy_checkpoint):
-    from nano_eval.models.megatron_checkpoint import load_as_transformers
+    from nano_eval.checkpoints.megatron_legacy import load_as_transformers
     from tests.nanotron_worker import summarize
 
     legacy = summarize(load_as_transformers(str(saved["root"] / "legacy"), str(toy_checkpoint)), TASKS, 4096, 12)
@@ -83,7 +83,7 @@ def test_scores_equal_the_legacy_conversion(saved, toy_checkpoint):
 
 
 def test_run_py_scores_the_iteration_folder(saved, toy_checkpoint, tmp_path):
-    from nano_eval.run import main
+    from nano_eval.cli import main
 
     assert main(["--checkpoint", str(saved["root"] / "dist" / ITER), "--tokenizer", str(toy_checkpoint),
                  "--tasks", "demo|arithmetic|0", "--max-samples", "8", "--output-dir", str(tmp_path),
@@ -103,7 +103,7 @@ class _Touch:
 
 
 def test_unsafe_or_incomplete_checkpoints_are_refused(saved, tmp_path):
-    from nano_eval.models.megatron_to_hf import load_megatron_llama_as_hf
+    from nano_eval.checkpoints.megatron_legacy import load_megatron_llama_as_hf
 
     unsafe = tmp_path / ITER
     shutil.copytree(saved["root"] / "dist" / ITER, unsafe)
@@ -123,7 +123,7 @@ def test_the_index_is_unpickled_once_by_the_allow_list(saved, monkeypatch):
     slip through): with its pickle.load made to fail, the checkpoint loads all the same."""
     import torch.distributed.checkpoint.filesystem as dcp_fs
 
-    from nano_eval.models.megatron_to_hf import load_megatron_llama_as_hf
+    from nano_eval.checkpoints.megatron_legacy import load_megatron_llama_as_hf
 
     def no_second_read(*args, **kwargs):
         raise AssertionError("torch.distributed.checkpoint unpickled .metadata itself")
@@ -140,7 +140,7 @@ def test_wrong_args_are_refused_with_a_fix(saved):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from nano_eval.models.megatron_to_hf import load_megatron_llama_as_hf
+    from nano_eval.checkpoints.megatron_legacy import load_megatron_llama_as_hf
 
     with pytest.raises(NanoEvalError, match="not a Llama-style"):
         load_megatron_llama_as_hf(saved["root"] / "dist" / ITER, megatron_args={"swiglu": False})
@@ -157,9 +157,9 @@ def test_wrong_args_are_refused_with_a_fix(saved):
 def test_other_layouts_convert_exactly(tmp_path, tp, pp, untie):
     """megatron-core reshards any TP x PP into the TP1/PP1 model: PP stages' layers land at their global numbers;
     tied embeddings give lm_head = the embedding."""
-    from nano_eval.models.megatron_to_hf import load_megatron_llama_as_hf
-    from nano_eval.toy_megatron import ToyConfig, logical_weights
+    from nano_eval.checkpoints.megatron_legacy import load_megatron_llama_as_hf
     from tests.megatron_worker import save_dist_layout
+    from tests.toy_megatron import ToyConfig, logical_weights
 
     run_distributed(save_dist_layout, tp * pp, str(tmp_path), tp, pp, untie, ITERATION)
     state = load_megatron_llama_as_hf(tmp_path / ITER).state_dict()

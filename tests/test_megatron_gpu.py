@@ -1,7 +1,7 @@
 """GPU-only: a real megatron-core GPTModel behind MegatronModel scores like its transformers conversion.
 
 TP1 on one GPU; with two or more GPUs also TP2 and PP2 (PP goes through Megatron's forward-only schedule and P2P).
-The weights are the toy model's (nano_eval/toy_megatron.py): sliced into GPTModel's state dict (Transformer Engine
+The weights are the toy model's (tests/toy_megatron.py): sliced into GPTModel's state dict (Transformer Engine
 names when TE is installed, local-spec names otherwise) and, unsliced, loaded into transformers' Llama.
 """
 
@@ -41,7 +41,7 @@ def build_gpt_model(tp: int, pp: int):
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.core.transformer import TransformerConfig
 
-    from nano_eval.toy_megatron import ToyConfig, logical_weights, megatron_shard
+    from tests.toy_megatron import ToyConfig, logical_weights, megatron_shard
 
     cfg = ToyConfig()
     model_parallel_cuda_manual_seed(0)
@@ -80,8 +80,8 @@ def build_gpt_model(tp: int, pp: int):
 def evaluate_gpt(rank, world, tp, pp, tokenizer_dir):
     from transformers import AutoTokenizer
 
+    from nano_eval.backends.megatron import MegatronModel
     from nano_eval.compat.megatron import import_megatron_core
-    from nano_eval.models.megatron_model import MegatronModel
     from tests.nanotron_worker import summarize
 
     import_megatron_core().initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
@@ -129,9 +129,9 @@ def reference(toy_checkpoint):
     """The same weights in transformers' LlamaForCausalLM on the GPU."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from nano_eval.models.transformers_model import TransformersModel
-    from nano_eval.toy_megatron import ToyConfig, logical_weights
+    from nano_eval.backends.transformers import TransformersModel
     from tests.nanotron_worker import summarize
+    from tests.toy_megatron import ToyConfig, logical_weights
 
     cfg = ToyConfig()
     hf = LlamaForCausalLM(LlamaConfig(

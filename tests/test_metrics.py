@@ -10,8 +10,8 @@ import pytest
 from nano_eval.metrics import METRICS, Metric, get_metric
 from nano_eval.metrics.generative import extract_number, normalize_text
 from nano_eval.metrics.loglikelihood import acc
-from nano_eval.models.response import ModelResponse
-from nano_eval.requests import Doc, RequestType
+from nano_eval.response import ModelResponse
+from nano_eval.tasks.requests import Doc, RequestType
 
 
 def mc(choices, gold, logprobs, **response_kwargs):

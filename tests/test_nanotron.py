@@ -1,7 +1,7 @@
 """The nanotron backend in every TP x PP x DP layout equals the single-process reference.
 
 The model is built from nanotron's real parallel modules (TensorParallelEmbedding, column/row linears,
-PipelineBlock + P2P + TensorPointer, vocab-parallel LM head) on real gloo process groups; see nano_eval/toy_nanotron.py.
+PipelineBlock + P2P + TensorPointer, vocab-parallel LM head) on real gloo process groups; see tests/toy_nanotron.py.
 """
 
 import pytest

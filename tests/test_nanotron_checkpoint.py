@@ -1,5 +1,5 @@
 """A checkpoint written by nanotron's own `save_weights` at TP2 scores the same at TP1, TP2 and PP2, and through the
-conversion to a transformers LlamaForCausalLM (nano_eval/models/nanotron_to_hf.py).
+conversion to a transformers LlamaForCausalLM (nano_eval/checkpoints/nanotron.py).
 
 nanotron's `load_weights` reshards TP shards on load (merge into the unsharded tensor, then cut this rank's slices).
 Loading goes into a model built with a different seed, so a load that does nothing cannot pass; the reference is
@@ -50,10 +50,10 @@ def _convert_and_evaluate(ckpt: str, tokenizer_dir: str):
     import yaml
     from transformers import AutoTokenizer
 
-    from nano_eval.models.nanotron_to_hf import load_nanotron_llama_as_hf
-    from nano_eval.models.transformers_model import TransformersModel
-    from nano_eval.toy_nanotron import ToyConfig
+    from nano_eval.backends.transformers import TransformersModel
+    from nano_eval.checkpoints.nanotron import load_nanotron_llama_as_hf
     from tests.nanotron_worker import VOCAB, summarize
+    from tests.toy_nanotron import ToyConfig
 
     model_config = ToyConfig(vocab_size=VOCAB).llama_config()
     (Path(ckpt) / "config.yaml").write_text(yaml.safe_dump({"model": {"model_config": model_config}}))  # as nanotron's
@@ -110,7 +110,7 @@ def test_command_line_scores_the_nanotron_checkpoint(runs, ckpt_dir, toy_checkpo
     """`run.py --checkpoint <nanotron dir>` goes through the conversion and reports the reference model's scores."""
     import json
 
-    from nano_eval.run import main
+    from nano_eval.cli import main
 
     out = tmp_path / "out"
     assert main(["--checkpoint", str(ckpt_dir), "--tokenizer", str(toy_checkpoint), "--tasks", TASKS,

@@ -2,7 +2,7 @@
 
 nanotron's own DistributedTrainer imports flash-attn and builds CUDA models, so it cannot exist on our machines;
 these tests put the real mixin on `ToyNanotronTrainer`, a CPU stand-in with nanotron's attribute names and hook
-order that trains a model built from nanotron's parallel modules (see nano_eval/toy_nanotron_trainer.py). The
+order that trains a model built from nanotron's parallel modules (see tests/toy_nanotron_trainer.py). The
 GPU-only test in tests/test_gpu.py runs hooks/nanotron_eval.py with the real DistributedTrainer.
 """
 
@@ -15,8 +15,8 @@ pytest.importorskip("nanotron")
 wandb = pytest.importorskip("wandb")
 
 from nano_eval.errors import NanoEvalError  # noqa: E402
-from nano_eval.integrations.nanotron_trainer import load_config, parse_eval_section  # noqa: E402
 from nano_eval.tracking.jsonl import read_jsonl  # noqa: E402
+from nano_eval.training.nanotron import load_config, parse_eval_section  # noqa: E402
 from tests.dist_utils import run_distributed  # noqa: E402
 from tests.nanotron_trainer_worker import train  # noqa: E402
 from tests.test_wandb import read_run  # noqa: E402
@@ -125,7 +125,7 @@ def test_wandb_rows_share_nanotrons_step_axis(tp2_runs):
 
 def test_on_save_scores_equal_scoring_the_saved_checkpoint(tp2_runs):
     """The live TP2 model at step 6 and its nanotron checkpoint, read back by run.py on one process, agree."""
-    from nano_eval.run import main
+    from nano_eval.cli import main
 
     tmp, _ = tp2_runs
     live = {r["step"]: r["results"] for r in read_jsonl(tmp / "with_eval" / "eval" / "eval_results.jsonl")}[6]

@@ -3,11 +3,10 @@
 import pytest
 import torch
 
-from nano_eval.data import ScoringItem
-from nano_eval.engine import BatchingConfig, Engine, make_scoring_batch
-from nano_eval.models.transformers_model import TransformersModel
-from nano_eval.packing import PAD, PREFIX, Choice, PackedRow, Segment, make_packed_batch, tree_attention_mask
-from nano_eval.requests import LoglikelihoodRequest
+from nano_eval.backends.transformers import TransformersModel
+from nano_eval.engine import BatchingConfig, Engine
+from nano_eval.rows import PAD, PREFIX, Choice, Row, Segment, last_position_row, make_batch, tree_attention_mask
+from nano_eval.tasks.requests import LoglikelihoodRequest
 
 CONTEXTS = ["Question: 3 plus 4\nAnswer:", "The dog runs ", "", "a b c d e f g h i j k", "one two three " * 6]
 CHOICES = [" 7", "to the house.", " blue", " the cat sat on the mat and", " 8"]
@@ -174,10 +173,27 @@ def test_backend_without_packing_gets_plain_rows(toy_checkpoint):
     assert n_plain == len(packed.items)  # budget 1: one batch per row, so rows == batches
 
 
-def test_plain_packed_batch_is_the_unpacked_batch():
+def test_plain_row_batch_is_the_one_row_per_request_batch():
+    """A one-segment row is exactly the classic right-padded batch: inputs are all tokens but the last, the scored
+    positions predict the continuation, and no position ids or mask description are attached."""
     ctx, cont = [5, 6, 7], [8, 9]
-    packed = make_packed_batch([PackedRow([Segment(ctx, [Choice("k", cont)])])], pad_id=0, with_mask=False)
-    plain = make_scoring_batch([ScoringItem("k", ctx + cont, len(cont))], pad_id=0)
-    for name in ("input_ids", "attention_mask", "rows", "cols", "targets"):
-        assert torch.equal(getattr(packed, name), getattr(plain, name)), name
-    assert packed.position_ids is None
+    batch = make_batch([Row([Segment(ctx, [Choice("k", cont)])]), Row([Segment([3], [Choice("j", [4])])])],
+                       pad_id=0, with_mask=False)
+    assert batch.input_ids.tolist() == [[5, 6, 7, 8], [3, 0, 0, 0]]
+    assert batch.attention_mask.tolist() == [[1, 1, 1, 1], [1, 0, 0, 0]]
+    assert batch.rows.tolist() == [0, 0, 1] and batch.cols.tolist() == [2, 3, 0] and batch.targets.tolist() == [8, 9, 4]
+    assert batch.position_ids is None and batch.segment_ids is None
+    with pytest.raises(ValueError, match="tree mask"):
+        make_batch([Row([Segment(ctx, [Choice("a", [1, 2]), Choice("b", [3, 4])])])], pad_id=0, with_mask=False)
+
+
+def test_generation_and_single_token_rows_are_plain_rows():
+    """Prompt-only rows give the whole prompt and ask for the argmax at its end; single-token choices are all scored
+    at the context's last position: neither needs a mask."""
+    batch = make_batch([last_position_row("g", [5, 6, 7]), last_position_row("h", [1])], pad_id=0, with_mask=True)
+    assert batch.input_ids.tolist() == [[5, 6, 7], [1, 0, 0]]
+    assert batch.rows.tolist() == [0, 1] and batch.cols.tolist() == [2, 0] and batch.targets.tolist() == [-1, -1]
+    choices = Row([Segment([5, 6], [Choice("s", [7], slot=0), Choice("s", [8], slot=1)])])
+    batch = make_batch([choices], pad_id=0, with_mask=True)
+    assert not choices.needs_mask and batch.position_ids is None
+    assert batch.input_ids.tolist() == [[5, 6]] and batch.cols.tolist() == [1, 1] and batch.targets.tolist() == [7, 8]

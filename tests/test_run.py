@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from nano_eval.run import main
+from nano_eval.cli import main
 from tests.dist_utils import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -126,7 +126,7 @@ def test_prompt_longer_than_model_is_cut_counted_and_reported(tmp_path, toy_chec
 
 FAILING_RANK_TASKS = """
 import os
-from nano_eval.models.transformers_model import TransformersModel
+from nano_eval.backends.transformers import TransformersModel
 from nano_eval.tasks.demo_tasks import DEMO_TASKS
 
 TASKS_TABLE = []

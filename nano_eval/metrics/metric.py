@@ -8,8 +8,8 @@ from typing import Callable
 
 import numpy as np
 
-from nano_eval.models.response import ModelResponse
-from nano_eval.requests import Doc, RequestType
+from nano_eval.response import ModelResponse
+from nano_eval.tasks.requests import Doc, RequestType
 
 BOOTSTRAP_SEED = 1234
 BOOTSTRAP_ITERS = 1000

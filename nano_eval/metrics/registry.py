@@ -9,7 +9,7 @@ import re
 from nano_eval.metrics import generative as gen
 from nano_eval.metrics import loglikelihood as ll
 from nano_eval.metrics.metric import Metric, mean
-from nano_eval.requests import RequestType
+from nano_eval.tasks.requests import RequestType
 
 _LL, _ROLLING, _GEN = RequestType.LOGLIKELIHOOD, RequestType.LOGLIKELIHOOD_ROLLING, RequestType.GREEDY_UNTIL
 _SAMPLING = re.compile(r"^(pass|maj)@(\d+)$")

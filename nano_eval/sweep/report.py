@@ -11,14 +11,13 @@ import base64
 import html
 import io
 import math
-import os
 import sys
 from collections import defaultdict
 from datetime import datetime, timezone
 from pathlib import Path
 
 from nano_eval.sweep.table import read_table
-from nano_eval.tracking.files import atomic_write_text
+from nano_eval.tracking.files import atomic_write_bytes, atomic_write_text, safe_file_name
 
 REPORT_DIR, HTML_NAME = "report", "index.html"
 
@@ -33,7 +32,7 @@ def curves(rows: list[dict]) -> dict[str, dict[str, list[tuple[int, float | None
 
 def file_stem(task: str, metric: str) -> str:
     """`demo|arithmetic|0` + `acc` -> `demo_arithmetic_0__acc` (portable file names)."""
-    return "".join(c if c.isalnum() or c in "-." else "_" for c in f"{task}__{metric}")
+    return safe_file_name(f"{task}__{metric}")
 
 
 def write_report(out_dir: str | Path) -> Path:
@@ -48,7 +47,7 @@ def write_report(out_dir: str | Path) -> Path:
             label = f"{task} {metric}"
             if plot is not None:
                 png = plot(task, metric, points)
-                _write_bytes(out / REPORT_DIR / f"{file_stem(task, metric)}.png", png)
+                atomic_write_bytes(out / REPORT_DIR / f"{file_stem(task, metric)}.png", png)
                 src = "data:image/png;base64," + base64.b64encode(png).decode()
                 figures[task, metric] = f'<img alt="{html.escape(label)}" src="{src}">'
             else:
@@ -56,13 +55,6 @@ def write_report(out_dir: str | Path) -> Path:
     page = _html(out, rows, data, figures)
     atomic_write_text(out / REPORT_DIR / HTML_NAME, page)
     return out / REPORT_DIR / HTML_NAME
-
-
-def _write_bytes(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
 
 
 def _png_plotter():

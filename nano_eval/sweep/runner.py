@@ -9,10 +9,8 @@ a killed sweep restarts where it stopped. SIGINT / SIGTERM stop the loop after t
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
-import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -22,21 +20,20 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from nano_eval.engine import BatchingConfig
+from nano_eval.checkpoints.load import fingerprint
 from nano_eval.errors import NanoEvalError
-from nano_eval.evaluator import EvalConfig, Evaluator
+from nano_eval.job import EvalJob, evaluate_checkpoint
 from nano_eval.parallel import any_rank_true
 from nano_eval.sweep.discovery import (Checkpoint, Settler, consumed_tokens, discover, has_marker, is_checkpoint_dir,
                                        missing_parts, select)
-from nano_eval.sweep.identity import evaluation_identity, fingerprint
-from nano_eval.sweep.loading import load_backend
+from nano_eval.sweep.identity import evaluation_identity
 from nano_eval.sweep.signals import StopFlag
 from nano_eval.tracking.wandb_logger import WandbLogger, metric_key
 
 
 @dataclass(frozen=True, kw_only=True)
 class SweepOptions:
-    """Which checkpoints, how to wait for new ones, and where to log; model and task options stay in run.py's args."""
+    """Which checkpoints, how to wait for new ones, and where to log (what to evaluate: the EvalJob)."""
 
     run_dir: str
     every: int | None = None  # keep steps divisible by this
@@ -90,28 +87,25 @@ def free_memory() -> None:
 class SweepRunner:
     """Build once (tasks loaded and parsed), then `run()`."""
 
-    def __init__(self, args: argparse.Namespace, options: SweepOptions,
+    def __init__(self, job: EvalJob, options: SweepOptions,
                  after_checkpoint: Callable[[Checkpoint, bool], None] | None = None):
-        from nano_eval.tasks import Registry, load_datasets
+        from dataclasses import replace
 
-        if not args.tasks:
+        from nano_eval.tasks import load_tasks
+
+        if not job.tasks:
             raise NanoEvalError("a sweep needs --tasks. Fix: --tasks 'suite|task|k,...' (see --list-tasks).")
-        self.args, self.options, self.after_checkpoint = args, options, after_checkpoint
-        self.run_dir, self.out = Path(options.run_dir), Path(args.output_dir)
+        self.job = replace(job, eval=replace(job.eval, progress=False))
+        self.options, self.after_checkpoint = options, after_checkpoint
+        self.run_dir, self.out = Path(options.run_dir), Path(job.output_dir)
         if not self.run_dir.is_dir():
             raise NanoEvalError(f"run directory {self.run_dir} does not exist. Fix: pass the folder holding the "
                                 "checkpoints (nanotron <step>/, Megatron iter_*/, HF checkpoint-*/).")
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.is_main = not dist.is_initialized() or dist.get_rank() == 0
-        registry = Registry(custom_tasks=args.custom_tasks)
-        self.specs = registry.parse_specs(args.tasks)
-        self.tasks = registry.get_task_dict(self.specs, data_dir=args.data_dir)
-        load_datasets(self.tasks, processes=min(8, len(self.tasks)))
-        self.task_keys = [s.key for s in self.specs]
-        self.versions = {s.key: self.tasks[s.full_name].version for s in self.specs}
-        batching = BatchingConfig(max_batch_tokens=args.batch_tokens, max_batch_size=args.max_batch_size)
-        self.eval_config = EvalConfig(max_samples=args.max_samples, seed=args.seed, batching=batching,
-                                      progress=False)
+        self.tasks = load_tasks(job.tasks, custom_tasks=job.custom_tasks, data_dir=job.data_dir)
+        self.task_keys = [spec.key for spec, _ in self.tasks]
+        self.versions = {spec.key: task.version for spec, task in self.tasks}
         self.settler = Settler(options.settle_s)
         self.handled: set[Path] = set()
         self.summary = SweepSummary()
@@ -216,7 +210,7 @@ class SweepRunner:
 
     def _work_item(self, ckpt: Checkpoint) -> WorkItem:
         fp = fingerprint(ckpt.path)
-        identity = evaluation_identity(self.args, self.task_keys, self.versions, fp)
+        identity = evaluation_identity(self.job, self.task_keys, self.versions, fp)
         tokens = consumed_tokens(ckpt)
         if tokens is None and self.options.tokens_per_step:
             tokens = ckpt.step * self.options.tokens_per_step
@@ -256,22 +250,11 @@ class SweepRunner:
 
     def _evaluate(self, item: WorkItem) -> None:
         """Load once, score every task, write (rank 0), then drop every reference to the model."""
-        from nano_eval.run import results_document, write_outputs
-
-        args = argparse.Namespace(**{**vars(self.args), "checkpoint": str(item.ckpt.path)})
-        backend = load_backend(item.ckpt, args)
-        evaluator = Evaluator(backend, [(s, self.tasks[s.full_name]) for s in self.specs], self.eval_config)
-        results = evaluator.evaluate(step=item.ckpt.step)
-        if backend.layout.is_main:
-            doc = results_document(args, results, backend.layout, self.versions)
-            doc.update(step=item.ckpt.step, consumed_tokens=item.consumed_tokens, sweep={
-                "run_dir": str(self.run_dir.resolve()), "checkpoint_name": item.ckpt.name, "kind": item.ckpt.kind,
-                "fingerprint": item.fingerprint, "evaluation_identity": item.identity,
-            })
-            out_dir = self.out / item.ckpt.name
-            shutil.rmtree(out_dir / "details", ignore_errors=True)  # no stale details from an older evaluation
-            write_outputs(out_dir, doc, results, details=not self.args.no_details)
-        del evaluator, backend, results
+        sweep = {"run_dir": str(self.run_dir.resolve()), "checkpoint_name": item.ckpt.name, "kind": item.ckpt.kind,
+                 "fingerprint": item.fingerprint, "evaluation_identity": item.identity}
+        evaluate_checkpoint(self.job, self.tasks, str(item.ckpt.path), self.out / item.ckpt.name, step=item.ckpt.step,
+                            consumed_tokens=item.consumed_tokens, extra={"sweep": sweep},
+                            replace_details=True)  # no stale details from an older evaluation
         free_memory()
 
     # ---- W&B (rank 0) ---------------------------------------------------------------------------------------------
@@ -284,7 +267,7 @@ class SweepRunner:
         logger = WandbLogger(enabled=True, project=o.wandb_project, entity=o.wandb_entity, name=o.wandb_run_name,
                              mode=o.wandb_mode, dir=str(self.out), init_kwargs=init,
                              run_config={"run_dir": str(self.run_dir), "tasks": self.task_keys,
-                                         "max_samples": self.args.max_samples})
+                                         "max_samples": self.job.eval.max_samples})
         return logger
 
     def _log_wandb(self, results_path: Path) -> None:

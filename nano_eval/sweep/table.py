@@ -12,7 +12,7 @@ import math
 import sys
 from pathlib import Path
 
-from nano_eval.tracking.files import atomic_write_text
+from nano_eval.tracking.files import atomic_write_bytes, atomic_write_text
 
 COLUMNS = ("checkpoint", "step", "consumed_tokens", "task", "metric", "value", "stderr")
 CSV_NAME, PARQUET_NAME = "sweep_results.csv", "sweep_results.parquet"
@@ -61,9 +61,9 @@ def _write_parquet(rows: list[dict], path: Path) -> None:
     schema = pa.schema([("checkpoint", pa.string()), ("step", pa.int64()), ("consumed_tokens", pa.int64()),
                         ("task", pa.string()), ("metric", pa.string()), ("value", pa.float64()),
                         ("stderr", pa.float64())])
-    tmp = path.with_name(f".{path.name}.tmp")
-    pq.write_table(pa.Table.from_pylist(rows, schema=schema), tmp)
-    tmp.replace(path)
+    buffer = io.BytesIO()
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), buffer)
+    atomic_write_bytes(path, buffer.getvalue())
 
 
 def read_table(out_dir: str | Path) -> list[dict]:

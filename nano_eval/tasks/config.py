@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from nano_eval.errors import NanoEvalError
-from nano_eval.requests import Doc
+from nano_eval.tasks.requests import Doc
 
 FEW_SHOTS_SELECT = (None, "balanced", "sequential", "random")
 _TUPLE_FIELDS = ("metrics", "hf_avail_splits", "evaluation_splits", "stop_sequence", "suite")

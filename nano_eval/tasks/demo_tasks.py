@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from nano_eval.requests import Doc
 from nano_eval.tasks.config import TaskConfig
+from nano_eval.tasks.requests import Doc
 
 DATA = Path(__file__).parent / "data"
 

@@ -1,4 +1,5 @@
-"""Find and load a task's rows: offline mirror first, then a local file or folder, then the Hugging Face Hub.
+"""Find and load the rows of a task's split: offline mirror first, then a local file or folder, then the Hugging
+Face Hub.
 
 Where the rows of split S of a task may live, in the order they are tried:
 
@@ -22,15 +23,13 @@ import importlib.util
 import json
 import os
 import socket
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import TYPE_CHECKING, Callable
 
 from nano_eval.errors import NanoEvalError
 
 if TYPE_CHECKING:
     from nano_eval.tasks.config import TaskConfig
-    from nano_eval.tasks.task import Task
 
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
@@ -210,25 +209,3 @@ def load_split(config: TaskConfig, split: str, data_dir: str | os.PathLike | Non
     if config.hf_filter is not None:
         rows = [row for row in rows if config.hf_filter(row)]
     return rows
-
-
-def _load_task(task: Task) -> list:
-    try:
-        return task.eval_docs()
-    except NanoEvalError:
-        raise
-    except Exception as e:
-        raise NanoEvalError(f"task {task.name!r}: loading its data failed: {type(e).__name__}: {e}") from e
-
-
-def load_datasets(tasks: Iterable[Task] | dict[str, Task], processes: int = 1) -> dict[str, list]:
-    """Load every task's evaluation docs, `processes` tasks at a time in threads; returns {task name: docs}.
-
-    Threads suffice: the work is file IO and Arrow decoding, which release the GIL.
-    """
-    tasks = list(tasks.values()) if isinstance(tasks, dict) else list(tasks)
-    if processes <= 1 or len(tasks) <= 1:
-        return {task.name: _load_task(task) for task in tasks}
-    with ThreadPoolExecutor(max_workers=processes, thread_name_prefix="nano_eval-load") as pool:
-        futures = [(task, pool.submit(_load_task, task)) for task in tasks]
-        return {task.name: future.result() for task, future in futures}

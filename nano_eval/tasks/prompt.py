@@ -13,7 +13,7 @@ import random
 from collections import defaultdict
 
 from nano_eval.errors import NanoEvalError
-from nano_eval.requests import Doc
+from nano_eval.tasks.requests import Doc
 
 
 def stable_seed(*parts: object) -> int:

@@ -17,10 +17,10 @@ from typing import Iterable
 
 from nano_eval.errors import NanoEvalError
 from nano_eval.tasks.config import TaskConfig
-from nano_eval.tasks.task import Task
+from nano_eval.tasks.task import Task, load_datasets
 
 SPEC_FORM = "suite|task|num_fewshot, e.g. 'lighteval|arc:easy|25'"
-LIST_HINT = "list the available tasks with the CLI's task-listing command or `Registry(...).print_tasks()`"
+LIST_HINT = "see the available tasks with `nano_eval --list-tasks` (or `Registry(...).print_tasks()`)"
 
 
 class TaskSpecError(NanoEvalError, ValueError):
@@ -107,12 +107,33 @@ class Registry:
             out.setdefault(suite, []).append(task)
         return out
 
+    def supersets(self) -> dict[str, list[str]]:
+        """{"suite|prefix": member task names} for every prefix a spec may name to run a family of tasks
+        (`lighteval|mmlu` -> every `lighteval|mmlu:<subject>`), except prefixes that are tasks themselves."""
+        out: dict[str, list[str]] = {}
+        for full in sorted(self._configs):
+            parts = full.split(":")
+            for n in range(1, len(parts)):
+                prefix = ":".join(parts[:n])
+                if prefix not in self._configs:
+                    out.setdefault(prefix, []).append(full.split("|", 1)[1])
+        return out
+
     def print_tasks(self, suites: Iterable[str] | None = None) -> None:
+        """Every task, suite by suite, then the supersets of each suite (a spec naming one runs all its tasks)."""
+        groups = self.supersets()
         for suite, tasks in self.list_tasks().items():
-            if suites is None or suite in suites:
-                print(f"{suite} ({len(tasks)} tasks)")
-                for task in tasks:
-                    print(f"  {suite}|{task}")
+            if suites is not None and suite not in suites:
+                continue
+            print(f"{suite} ({len(tasks)} tasks)")
+            for task in tasks:
+                print(f"  {suite}|{task}")
+            mine = {name: members for name, members in groups.items() if name.split("|", 1)[0] == suite}
+            if mine:
+                print(f"{suite} supersets (a spec naming one runs all its tasks)")
+            for name, members in mine.items():
+                shown = ", ".join(members[:3]) + (", ..." if len(members) > 3 else "")
+                print(f"  {name}  ({len(members)} task{'s' if len(members) > 1 else ''}: {shown})")
 
     def get_task_instance(self, name: str | TaskSpec, data_dir: str | os.PathLike | None = None) -> Task:
         full = name.full_name if isinstance(name, TaskSpec) else name
@@ -177,3 +198,14 @@ def _parse_one(raw: str, suites: frozenset[str]) -> TaskSpec:
     if suite not in suites:
         raise TaskSpecError(f"unknown suite {suite!r} in task spec {raw!r}: known suites are {sorted(suites)}")
     return TaskSpec(suite=suite, task=task, num_fewshot=int(shots))
+
+
+def load_tasks(specs: str | os.PathLike | Iterable[str], *, custom_tasks: str | os.PathLike | None = None,
+               data_dir: str | os.PathLike | None = None) -> list[tuple[TaskSpec, Task]]:
+    """Parse `specs`, build their tasks and load every task's evaluation documents (several tasks at a time):
+    [(TaskSpec, Task)] in spec order. Bad specs and missing data fail here, before any model is touched."""
+    registry = Registry(custom_tasks=custom_tasks)
+    parsed = registry.parse_specs(specs)
+    tasks = registry.get_task_dict(parsed, data_dir=data_dir)
+    load_datasets(tasks, processes=min(8, len(tasks)))
+    return [(spec, tasks[spec.full_name]) for spec in parsed]

@@ -14,9 +14,14 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from typing import Iterable
 
 from nano_eval.errors import NanoEvalError
-from nano_eval.requests import (
+from nano_eval.tasks.config import TaskConfig
+from nano_eval.tasks.loading import load_split
+from nano_eval.tasks.prompt import PromptManager, doc_identity
+from nano_eval.tasks.requests import (
     Doc,
     GreedyUntilRequest,
     LoglikelihoodRequest,
@@ -25,9 +30,6 @@ from nano_eval.requests import (
     Request,
     RequestType,
 )
-from nano_eval.tasks.config import TaskConfig
-from nano_eval.tasks.loading import load_split
-from nano_eval.tasks.prompt import PromptManager, doc_identity
 
 DEFAULT_UNCONDITIONED_QUERY = "Answer:"  # lighteval's PMI default when a prompt function sets none
 FEWSHOT_SPLIT_PREFERENCE = ("train", "validation", "test")
@@ -225,3 +227,25 @@ def build_requests(task: Task, num_fewshot: int, seed: int = 0, max_samples: int
         out_docs.append(doc)
         requests += task.construct_requests(doc, context, i)
     return out_docs, requests
+
+
+def _load_task(task: Task) -> list:
+    try:
+        return task.eval_docs()
+    except NanoEvalError:
+        raise
+    except Exception as e:
+        raise NanoEvalError(f"task {task.name!r}: loading its data failed: {type(e).__name__}: {e}") from e
+
+
+def load_datasets(tasks: Iterable[Task] | dict[str, Task], processes: int = 1) -> dict[str, list]:
+    """Load every task's evaluation docs, `processes` tasks at a time in threads; returns {task name: docs}.
+
+    Threads suffice: the work is file IO and Arrow decoding, which release the GIL.
+    """
+    tasks = list(tasks.values()) if isinstance(tasks, dict) else list(tasks)
+    if processes <= 1 or len(tasks) <= 1:
+        return {task.name: _load_task(task) for task in tasks}
+    with ThreadPoolExecutor(max_workers=processes, thread_name_prefix="nano_eval-load") as pool:
+        futures = [(task, pool.submit(_load_task, task)) for task in tasks]
+        return {task.name: future.result() for task, future in futures}

@@ -1,7 +1,14 @@
-"""Result files: written atomically so a crash or a kill never leaves a half-written file behind."""
+"""Result files: written atomically so a crash or a kill never leaves a half-written file behind.
+
+`atomic_write_bytes` is the one atomic write of nano_eval (results, details, sweep tables and reports): a temporary
+file with a unique name in the target folder, fsynced, given the permissions the process umask allows (as a plain
+`open` would), then renamed over the target. `safe_file_name` is the one filename sanitiser: names built from task
+keys or metric names never leave the folder they are meant for.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -33,19 +40,39 @@ def _clean(value: Any) -> Any:
     return value
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write to a temporary file in the same folder, fsync, then rename over `path`."""
+def current_umask() -> int:
+    """The process umask, read without changing it where Linux allows (/proc), else set and restored at once."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write to a uniquely named temporary file in the same folder, fsync, chmod to 0o666 & ~umask (mkstemp
+    creates 0600), then rename over `path`: readers see the old file or the new one, never a part."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~current_umask())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))
 
 
 def write_json(path: Path, data: dict) -> None:
@@ -56,6 +83,22 @@ def write_jsonl(path: Path, rows: Iterable[dict]) -> None:
     atomic_write_text(path, "".join(json.dumps(_clean(r), default=_json_default) + "\n" for r in rows))
 
 
+MAX_NAME_CHARS = 120
+
+
+def safe_file_name(name: str) -> str:
+    """A portable file name (no folder part) from any text: `suite|task:sub|5` -> `suite_task_sub_5`.
+
+    Every character but letters, digits, `-` and `.` becomes `_`, so `/`, `\\` and absolute paths cannot name
+    another folder; a leading dot becomes `_` (no `..`, no hidden files); long names are cut and end in a hash."""
+    safe = "".join(c if c.isalnum() or c in "-." else "_" for c in name)
+    if not safe or safe.startswith("."):
+        safe = "_" + safe
+    if len(safe) > MAX_NAME_CHARS:
+        safe = safe[: MAX_NAME_CHARS - 17] + "_" + hashlib.sha256(name.encode()).hexdigest()[:16]
+    return safe
+
+
 def details_file_name(task_key: str) -> str:
-    """`suite|task:sub|5` -> `suite_task_sub_5.jsonl` (portable file names)."""
-    return "".join(c if c.isalnum() or c in "-." else "_" for c in task_key) + ".jsonl"
+    """`suite|task:sub|5` -> `suite_task_sub_5.jsonl`."""
+    return safe_file_name(task_key) + ".jsonl"

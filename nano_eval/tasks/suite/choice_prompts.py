@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-from nano_eval.requests import Doc
+from nano_eval.tasks.requests import Doc
 from nano_eval.tasks.suite.formats import ANSWER_CUE, Item, cloze, letter
 
 # ---- parsers: row -> Item ----------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from nano_eval.requests import Doc
+from nano_eval.tasks.requests import Doc
 
 LETTERS = "ABCDEFGHIJ"
 ANSWER_CUE = "Answer:"

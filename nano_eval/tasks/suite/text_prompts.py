@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 
-from nano_eval.requests import Doc
+from nano_eval.tasks.requests import Doc
 
 
 def lambada(line: dict, task_name: str) -> Doc:

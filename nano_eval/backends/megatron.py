@@ -20,13 +20,13 @@ import math
 import torch
 import torch.nn.functional as F
 
+from nano_eval.backends.base import Batch
 from nano_eval.compat.megatron import call_schedule, layout_from_megatron, unwrap
 from nano_eval.errors import NanoEvalError
-from nano_eval.models.base import Batch
 
 
 class MegatronModel:
-    """Megatron model chunks behind the backend protocol (nano_eval.models.base.Backend)."""
+    """Megatron model chunks behind the backend protocol (nano_eval.backends.base.Backend)."""
 
     def __init__(self, model, tokenizer, *, max_length: int, device: str | torch.device | None = None,
                  pg_collection=None, micro_batch_size: int | None = None, pad_to_length: int | None = None):

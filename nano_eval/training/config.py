@@ -1,4 +1,4 @@
-"""What the in-training evaluation hook evaluates, when, and where its results go (see nano_eval/hook.py)."""
+"""What the in-training evaluation hook evaluates, when, and where its results go (see nano_eval/training/hook.py)."""
 
 from __future__ import annotations
 

@@ -25,7 +25,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Mapping, Optional
 
 from nano_eval.errors import NanoEvalError
-from nano_eval.hook import EvalHook, EvalHookConfig
+from nano_eval.training.config import EvalHookConfig
+from nano_eval.training.hook import EvalHook
 
 SECTION = "nano_eval"
 ALIASES = {"interval": "every_n_steps", "samples": "max_samples"}
@@ -144,7 +145,7 @@ def build_hook(trainer, options: NanotronEvalOptions) -> EvalHook:
     import torch
     from transformers import AutoTokenizer
 
-    from nano_eval.models.nanotron_model import NanotronModel
+    from nano_eval.backends.nanotron import NanotronModel
 
     tokenizer = AutoTokenizer.from_pretrained(options.tokenizer or trainer.config.tokenizer.tokenizer_name_or_path)
     device = "cuda" if torch.cuda.is_available() else "cpu"

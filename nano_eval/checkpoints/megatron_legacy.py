@@ -1,6 +1,11 @@
 """Read a Megatron Llama-style GPT checkpoint (any TP x PP) into transformers' LlamaForCausalLM.
 
-So a Megatron checkpoint can be scored without Megatron, a GPU or a process group. The legacy layout:
+So a Megatron checkpoint can be scored without Megatron-LM, a GPU or a process group: `--checkpoint <iter_XXXXXXX
+folder or run dir> --tokenizer T`. A run dir (holding `latest_checkpointed_iteration.txt`) resolves to its latest
+`iter_%07d` folder, as Megatron's loader does. Megatron does not store the tokenizer with the weights, so a tokenizer
+is required. Inside a training job, score the live model with nano_eval.backends.megatron.MegatronModel instead.
+
+The legacy layout:
 `iter_0001000/mp_rank_{tp:02d}[_{pp:03d}]/model_optim_rng.pt`, each a dict with `model` (that rank's GPTModel
 state dict), `args` (Megatron's argparse.Namespace), `iteration`, and optimizer / RNG state we do not need.
 
@@ -16,7 +21,7 @@ What differs from transformers' Llama, and how we undo it:
   permuted per head.
 The vocabulary stays padded (`padded_vocab_size` rows), as Megatron's own softmax sees it.
 A torch_dist checkpoint (`*.distcp`, `.metadata`, `common.pt`) is first loaded by megatron-core into one TP1 GPTModel
-(megatron_dist_ckpt.py), whose state dict then takes the path of a one-shard legacy checkpoint.
+(megatron_dist.py), whose state dict then takes the path of a one-shard legacy checkpoint.
 """
 
 from __future__ import annotations
@@ -28,50 +33,17 @@ from pathlib import Path
 
 import torch
 
+from nano_eval.checkpoints.llama import interleaved_to_half_rotary, llama_from_state_dict
+from nano_eval.checkpoints.megatron_args import args_dict, hf_config_from_args, load_shard
+from nano_eval.checkpoints.megatron_dist import is_dist_checkpoint, read_dist_checkpoint
 from nano_eval.errors import NanoEvalError
-from nano_eval.models.hf_llama import llama_from_state_dict
 
 SHARD_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 COLUMN_PARALLEL = ("embedding.word_embeddings.weight", "output_layer.weight", "linear_qkv.weight")
 ROW_PARALLEL = ("linear_proj.weight", "linear_fc2.weight")
-
-
-def _safe_globals() -> list:
-    """What a legacy checkpoint pickles besides tensors: Megatron's args (argparse.Namespace, with a few enums and
-    paths), and numpy arrays in the RNG state. With megatron-core installed, its own allow-list (the classes
-    Megatron itself loads with weights_only=True); never weights_only=False."""
-    import pathlib
-    import types
-
-    allowed = [Namespace, types.SimpleNamespace, pathlib.PosixPath]
-    try:
-        import numpy as np
-
-        allowed += [np.ndarray, np.dtype, np.dtypes.UInt32DType, np.core.multiarray._reconstruct]
-    except (ImportError, AttributeError):
-        pass
-    try:
-        from megatron.core.safe_globals import SAFE_GLOBALS
-
-        allowed += [g for g in SAFE_GLOBALS if g not in allowed]
-    except ImportError:
-        pass
-    return allowed
-
-
-def load_shard(path: Path) -> dict:
-    """One `model_optim_rng.pt`, loaded with weights_only=True and a minimal allow-list of globals."""
-    import pickle
-
-    try:
-        with torch.serialization.safe_globals(_safe_globals()):
-            return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        raise NanoEvalError(
-            f"{path}: cannot be loaded safely (weights_only=True): {str(e).splitlines()[0]} Fix: install "
-            "megatron-core (its enums are in the allow-list) or save with --no-save-optim --no-save-rng."
-        ) from e
+TRACKER = "latest_checkpointed_iteration.txt"
+ITER_DIR = re.compile(r"^(iter_\d{7}|release)$")
 
 
 def shard_files(iter_dir: Path) -> dict[tuple[int, int], Path]:
@@ -95,21 +67,15 @@ def shard_files(iter_dir: Path) -> dict[tuple[int, int], Path]:
     return found
 
 
-def _args_dict(args) -> dict:
-    return dict(vars(args)) if isinstance(args, Namespace) else dict(args or {})
-
-
 def read_megatron_checkpoint(iter_dir: str | Path, overrides: Mapping | None = None
                              ) -> tuple[dict[str, torch.Tensor], dict, list[int]]:
     """Merged TP shards of every PP stage: ({name: full tensor} with global layer numbers, args, layers per stage).
     linear_fc1 is returned already un-fused as `...linear_fc1.gate.weight` / `...linear_fc1.up.weight`.
     overrides: Megatron argument names/values that replace the pickled `args`.
-    A torch_dist checkpoint is first loaded by megatron-core into one TP1 GPTModel (megatron_dist_ckpt.py)."""
+    A torch_dist checkpoint is first loaded by megatron-core into one TP1 GPTModel (megatron_dist.py)."""
     iter_dir = Path(iter_dir)
-    from nano_eval.models.megatron_dist_ckpt import is_dist_checkpoint, read_dist_checkpoint
-
     if is_dist_checkpoint(iter_dir) and not any(SHARD_DIR.match(p.name) for p in iter_dir.iterdir()):
-        state, args = read_dist_checkpoint(iter_dir, _args_dict(overrides))
+        state, args = read_dist_checkpoint(iter_dir, args_dict(overrides))
         stage = _merge_tp([state], iter_dir)
         return stage, args, [1 + max((int(m.group(1)) for k in stage if (m := LAYER.match(k))), default=-1)]
     files = shard_files(iter_dir)
@@ -120,7 +86,7 @@ def read_megatron_checkpoint(iter_dir: str | Path, overrides: Mapping | None = N
     offset = 0
     for p in range(pp):
         shards = [load_shard(files[(t, p)]) for t in range(tp)]
-        args = args or _args_dict(shards[0].get("args"))
+        args = args or args_dict(shards[0].get("args"))
         if "model" not in shards[0]:
             keys = sorted(k for k in shards[0] if k.startswith("model"))
             raise NanoEvalError(f"{files[(0, p)]}: no 'model' entry (found {keys}); virtual-pipeline checkpoints "
@@ -132,7 +98,7 @@ def read_megatron_checkpoint(iter_dir: str | Path, overrides: Mapping | None = N
             merged[LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) + offset}.", name)] = tensor
         layers_per_stage.append(n_layers)
         offset += n_layers
-    return merged, {**args, **_args_dict(overrides)}, layers_per_stage
+    return merged, {**args, **args_dict(overrides)}, layers_per_stage
 
 
 def _merge_tp(shards: list[dict], where: Path) -> dict[str, torch.Tensor]:
@@ -158,43 +124,9 @@ def _merge_tp(shards: list[dict], where: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-LLAMA_STYLE = {"normalization": "RMSNorm", "swiglu": True, "position_embedding_type": "rope", "add_bias_linear": False,
-               "add_qkv_bias": False, "qk_layernorm": False, "rotary_percent": 1.0}
-
-
-def hf_config_from_args(args: Mapping, vocab_size: int):
-    """A transformers LlamaConfig from Megatron's training arguments (names as in Megatron-LM's arguments.py)."""
-    from transformers import LlamaConfig
-
-    wrong = {k: args[k] for k, v in LLAMA_STYLE.items() if k in args and args[k] is not None and args[k] != v}
-    if wrong or args.get("use_rope_scaling"):
-        raise NanoEvalError(f"not a Llama-style GPT checkpoint: {wrong or {'use_rope_scaling': True}} "
-                            f"(the converter needs {LLAMA_STYLE}, no rope scaling).")
-    try:
-        heads = args["num_attention_heads"]
-        groups = args.get("num_query_groups") if args.get("group_query_attention") else heads
-        return LlamaConfig(
-            vocab_size=vocab_size, hidden_size=args["hidden_size"], intermediate_size=args["ffn_hidden_size"],
-            num_hidden_layers=args["num_layers"], num_attention_heads=heads, num_key_value_heads=groups or heads,
-            head_dim=args.get("kv_channels") or args["hidden_size"] // heads,
-            max_position_embeddings=args.get("max_position_embeddings") or args["seq_length"],
-            rms_norm_eps=args.get("norm_epsilon", 1e-5), rope_theta=float(args.get("rotary_base", 10000)),
-            tie_word_embeddings=not args.get("untie_embeddings_and_output_weights", False),
-            attention_bias=False, mlp_bias=False, hidden_act="silu",
-        )
-    except KeyError as e:
-        raise NanoEvalError(f"the checkpoint's args lack {e}. Fix: pass megatron_args=... (Megatron's names).") from e
-
-
 def _norm(weights: dict, layer: str, fused: str, local: str) -> torch.Tensor:
     """A pre-norm weight under the TE name (fused into the next linear) or the local-spec name."""
     return weights[f"{layer}{fused}"] if f"{layer}{fused}" in weights else weights[f"{layer}{local}"]
-
-
-def half_rotary_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
-    """Per head, rows in interleaved-pair order (r0, r1), (r2, r3).. -> half order [r0, r2, .., r1, r3, ..]."""
-    d = w.shape[0] // heads
-    return w.view(heads, d // 2, 2, -1).transpose(1, 2).reshape(w.shape)
 
 
 def hf_state_dict(weights: dict[str, torch.Tensor], config, interleaved_rotary: bool = False) -> dict:
@@ -209,7 +141,7 @@ def hf_state_dict(weights: dict[str, torch.Tensor], config, interleaved_rotary: 
         grouped = weights[src + "self_attention.linear_qkv.weight"].view(ng, (nq // ng + 2) * d, -1)
         q, k, v = (t.reshape(-1, t.shape[-1]) for t in grouped.split([nq // ng * d, d, d], dim=1))
         if interleaved_rotary:
-            q, k = half_rotary_rows(q, nq), half_rotary_rows(k, ng)
+            q, k = interleaved_to_half_rotary(q, nq), interleaved_to_half_rotary(k, ng)
         out |= {
             dst + "self_attn.q_proj.weight": q, dst + "self_attn.k_proj.weight": k, dst + "self_attn.v_proj.weight": v,
             dst + "self_attn.o_proj.weight": weights[src + "self_attention.linear_proj.weight"],
@@ -240,3 +172,43 @@ def load_megatron_llama_as_hf(iter_dir: str | Path, megatron_args: Mapping | Nam
     except KeyError as e:
         raise NanoEvalError(f"{iter_dir}: the checkpoint lacks {e}; is it a Llama-style GPTModel?") from e
     return llama_from_state_dict(config, state, str(iter_dir))
+
+
+# ---- loading as a backend ------------------------------------------------------------------------------------
+
+def is_megatron_checkpoint(path: str) -> bool:
+    """An `iter_*` / `release` folder (mp_rank_* shards or torch_dist files), or a run dir with a tracker file."""
+    p = Path(path)
+    if not p.is_dir():
+        return False
+    if (p / TRACKER).is_file():
+        return True
+    return bool(ITER_DIR.match(p.name)) and (any(p.glob("mp_rank_*")) or (p / ".metadata").exists())
+
+
+def resolve_iteration_dir(path: str) -> Path:
+    """The iteration folder: `path` itself, or the one the run dir's tracker names (an int, or "release")."""
+    p = Path(path)
+    if not (p / TRACKER).is_file():
+        return p
+    text = (p / TRACKER).read_text().strip()
+    name = "release" if text == "release" else f"iter_{int(text):07d}" if text.isdigit() else None
+    if name is None or not (p / name).is_dir():
+        raise NanoEvalError(f"{p / TRACKER} says {text!r} but {p / (name or '?')} does not exist. "
+                            "Fix: pass an iter_XXXXXXX folder directly.")
+    return p / name
+
+
+def load_as_transformers(checkpoint: str, tokenizer_path: str | None, *, device: str = "cpu", dtype: str = "float32",
+                         max_length: int | None = None, megatron_args: dict | None = None):
+    """A TransformersModel backend holding the Megatron checkpoint's weights."""
+    from transformers import AutoTokenizer
+
+    from nano_eval.backends.transformers import TransformersModel
+
+    if not tokenizer_path:
+        raise NanoEvalError(f"checkpoint {checkpoint}: Megatron checkpoints do not hold a tokenizer. "
+                            "Fix: pass --tokenizer PATH_OR_HUB_ID (the one the run trained with).")
+    model = load_megatron_llama_as_hf(resolve_iteration_dir(checkpoint), megatron_args)
+    model = model.to(device=device, dtype=getattr(torch, dtype))
+    return TransformersModel(model, AutoTokenizer.from_pretrained(tokenizer_path), max_length=max_length)

@@ -24,20 +24,18 @@ import sys
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch.distributed as dist
 
-from nano_eval import __version__
+from nano_eval.backends.base import Backend, evaluation_mode
 from nano_eval.engine import BatchingConfig
 from nano_eval.evaluator import EvalConfig, EvalResults, Evaluator, TaskResult
-from nano_eval.hook_config import EvalHookConfig, sample_caps
-from nano_eval.models.base import Backend, evaluation_mode
 from nano_eval.parallel import any_rank_true
-from nano_eval.tracking.files import SCHEMA_VERSION, details_file_name, write_json, write_jsonl
 from nano_eval.tracking.jsonl import append_jsonl
+from nano_eval.tracking.results import results_document, write_results
 from nano_eval.tracking.wandb_logger import TensorBoardLogger, WandbLogger, metric_key, one_line
+from nano_eval.training.config import EvalHookConfig, sample_caps
 
 logger = logging.getLogger(__name__)
 
@@ -132,19 +130,17 @@ class EvalHook:
         data-parallel replica; scoring uses the wrapped module, so DDP's gradient hooks never fire)."""
         from torch.nn.parallel import DistributedDataParallel
 
-        from nano_eval.models.transformers_model import TransformersModel
+        from nano_eval.backends.transformers import TransformersModel
 
         inner = model.module if isinstance(model, DistributedDataParallel) else model
         return cls(config, TransformersModel(inner, tokenizer, max_length=max_length), **kwargs)
 
     def _build(self, tasks):
-        from nano_eval.tasks import Registry
+        from nano_eval.tasks import load_tasks
 
         if tasks is None:
-            registry = Registry(custom_tasks=self.config.custom_tasks)
-            specs = registry.parse_specs(self.config.tasks)
-            task_dict = registry.get_task_dict(specs, data_dir=self.config.data_dir)
-            tasks = [(s, task_dict[s.full_name]) for s in specs]
+            c = self.config
+            tasks = load_tasks(c.tasks, custom_tasks=c.custom_tasks, data_dir=c.data_dir)
         specs = [spec for spec, _ in tasks]
         caps = sample_caps(specs, self.config.max_samples, self.config.max_samples_per_task)
         batching = BatchingConfig(max_batch_tokens=self.config.batch_tokens, max_batch_size=self.config.max_batch_size)
@@ -240,11 +236,8 @@ class EvalHook:
         step = results.step
         time_share = (self._eval_seconds + time.perf_counter() - start) / max(time.perf_counter() - self._built_at,
                                                                              1e-9)
-        step_dir = self.output_dir / f"step_{step}"
-        if self.config.write_details:
-            for key, tr in results.tasks.items():
-                write_jsonl(step_dir / "details" / details_file_name(key), tr.details)
-        write_json(step_dir / "results.json", self._document(results))
+        write_results(self.output_dir / f"step_{step}", self._document(results), results,
+                      details=self.config.write_details)
         append_jsonl(self.output_dir / JSONL_NAME, {
             "step": step,
             "consumed_tokens": results.consumed_tokens,
@@ -276,25 +269,13 @@ class EvalHook:
 
     def _document(self, results: HookResults) -> dict:
         c = self.config
-        return {
-            "schema_version": SCHEMA_VERSION,
-            "nano_eval_version": __version__,
-            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "step": results.step,
-            "consumed_tokens": results.consumed_tokens,
-            "layout": self.layout.describe(),
-            "config": {"tasks": c.tasks, "max_samples": c.max_samples,
-                       "max_samples_per_task": dict(c.max_samples_per_task or {}), "seed": c.seed,
-                       "batch_tokens": c.batch_tokens, "max_batch_size": c.max_batch_size,
-                       "time_budget_s": c.time_budget_s},
-            "task_versions": {k: tr.version for k, tr in results.tasks.items()},
-            "results": {k: tr.metrics for k, tr in results.tasks.items()},
-            "num_docs": {k: tr.num_docs for k, tr in results.tasks.items()},
-            "skipped_docs": {k: tr.skipped_docs for k, tr in results.tasks.items()},
-            "truncated_requests": {k: tr.truncated_requests for k, tr in results.tasks.items()},
-            "skipped_tasks": results.skipped_tasks,
-            "timings": results.timings,
-        }
+        config = {"tasks": c.tasks, "max_samples": c.max_samples,
+                  "max_samples_per_task": dict(c.max_samples_per_task or {}), "seed": c.seed,
+                  "batch_tokens": c.batch_tokens, "max_batch_size": c.max_batch_size,
+                  "time_budget_s": c.time_budget_s}
+        return results_document(results, layout=self.layout, config=config, step=results.step,
+                                consumed_tokens=results.consumed_tokens,
+                                extra={"skipped_tasks": results.skipped_tasks})
 
     # ---- failures ------------------------------------------------------------------------------------------------
 

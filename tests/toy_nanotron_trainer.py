@@ -5,7 +5,7 @@ This class keeps exactly what `NanoEvalTrainerMixin` relies on: the attribute na
 `unwrapped_model`, `iteration_step`, `consumed_train_samples`, `global_batch_size`, `sequence_length`,
 `logger_ranks`), the order of the hook methods, a W&B run opened in `pre_training` on the logger rank with
 nanotron's row keys, and checkpoints written with nanotron's own `save_weights`. The model is the toy Llama built
-from nanotron's parallel modules (nano_eval/toy_nanotron.py), trained in TP x DP (pipeline training needs
+from nanotron's parallel modules (tests/toy_nanotron.py), trained in TP x DP (pipeline training needs
 nanotron's pipeline engine, which needs CUDA) on arithmetic text, with nanotron's `sharded_cross_entropy`.
 """
 
@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from nano_eval.compat.nanotron import cpu_parallel_context, import_nanotron
 from nano_eval.toy import arithmetic_line
-from nano_eval.toy_nanotron import ToyConfig, build_toy_nanotron_model
+from tests.toy_nanotron import ToyConfig, build_toy_nanotron_model
 
 
 class ToyNanotronTrainer:

@@ -1,8 +1,8 @@
 """nano_eval inside Megatron-LM's `pretrain`: benchmark scores of the live model at every validation.
 
 ```python
-from nano_eval.integrations.megatron_pretrain import make_non_loss_data_func
-from nano_eval.hook import EvalHookConfig
+from nano_eval.training.config import EvalHookConfig
+from nano_eval.training.megatron import make_non_loss_data_func
 
 nano_eval_hook = make_non_loss_data_func(EvalHookConfig(tasks="lighteval|hellaswag|0", max_samples=500,
                                                         output_dir="eval", wandb_project="my-run"), tokenizer)
@@ -35,8 +35,10 @@ import sys
 from collections.abc import Callable
 
 from nano_eval.compat.megatron import unwrap
-from nano_eval.hook import EvalHook, EvalHookConfig, HookResults
+from nano_eval.tasks import load_tasks
 from nano_eval.tracking.wandb_logger import one_line
+from nano_eval.training.config import EvalHookConfig
+from nano_eval.training.hook import EvalHook, HookResults
 
 
 def _megatron_args():
@@ -73,7 +75,8 @@ class MegatronEvalHook:
         self.micro_batch_size, self.pg_collection = micro_batch_size, pg_collection
         self.hook: EvalHook | None = None
         self.backend = None
-        self.tasks = load_tasks(config)  # before training: bad specs and missing data fail here, at once
+        # before training: bad specs and missing data fail here, at once
+        self.tasks = load_tasks(config.tasks, custom_tasks=config.custom_tasks, data_dir=config.data_dir)
 
     def __call__(self, model) -> HookResults | None:
         """Called by Megatron's evaluate() on every rank. Returns the results (None if it failed, fail_soft)."""
@@ -90,7 +93,7 @@ class MegatronEvalHook:
         return self.hook(step, tokens)
 
     def _build(self, model) -> None:
-        from nano_eval.models.megatron_model import MegatronModel
+        from nano_eval.backends.megatron import MegatronModel
 
         chunks = list(model) if isinstance(model, (list, tuple)) else [model]
         args = _megatron_args()
@@ -116,17 +119,6 @@ class MegatronEvalHook:
     def close(self) -> None:
         if self.hook is not None:
             self.hook.close()
-
-
-def load_tasks(config: EvalHookConfig) -> list:
-    """[(TaskSpec, Task)] with their documents loaded, from the hook config's task specs."""
-    from nano_eval.tasks import Registry, load_datasets
-
-    registry = Registry(custom_tasks=config.custom_tasks)
-    specs = registry.parse_specs(config.tasks)
-    task_dict = registry.get_task_dict(specs, data_dir=config.data_dir)
-    load_datasets(task_dict, processes=min(8, len(task_dict)))
-    return [(spec, task_dict[spec.full_name]) for spec in specs]
 
 
 def make_non_loss_data_func(config: EvalHookConfig, tokenizer, *, max_length: int | None = None,

@@ -6,9 +6,9 @@ Its tensors are global, not per rank: layers are stacked along a leading axis, s
 sharded halves, and the layer norms are named as Transformer Engine names them. Rather than re-implement that, we
 build a real GPTModel (local layer spec, CPU, TP1/PP1) from the checkpoint's own args and let
 `dist_checkpointing.load` reshard whatever TP x PP it was saved with into it. The result has the names and layout
-of an `mp_rank_00` legacy checkpoint, so megatron_to_hf.py converts it the same way.
+of an `mp_rank_00` legacy checkpoint, so megatron_legacy.py converts it the same way.
 
-Safety: `common.pt` is read with torch.load(weights_only=True) and megatron_to_hf's allow-list. `.metadata` is a
+Safety: `common.pt` is read with torch.load(weights_only=True) and megatron_args's allow-list. `.metadata` is a
 plain pickle that torch.distributed.checkpoint would read with pickle.load; we read its bytes once, unpickle them
 with an exact allow-list (torch.distributed.checkpoint's metadata classes, torch sizes / dtypes, paths) and hand
 the resulting object to the loader, so no unchecked unpickling of that file ever happens.
@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from nano_eval.checkpoints.megatron_args import args_dict, hf_config_from_args, load_shard
 from nano_eval.errors import NanoEvalError
 
 COMMON = "common.pt"
@@ -122,8 +123,6 @@ def _checked_index(metadata):
 
 def read_common(iter_dir: Path) -> dict:
     """`common.pt` (args, iteration, content metadata), loaded safely."""
-    from nano_eval.models.megatron_to_hf import load_shard
-
     if not (iter_dir / COMMON).is_file():
         raise NanoEvalError(f"{iter_dir}: no {COMMON} (it holds the model arguments). Fix: finish copying the "
                             "checkpoint, or point at the iter_XXXXXXX folder itself.")
@@ -223,12 +222,10 @@ def read_dist_checkpoint(iter_dir: str | Path, overrides: Mapping | None = None)
     from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from nano_eval.models.megatron_to_hf import _args_dict, hf_config_from_args
-
     iter_dir = Path(iter_dir)
     common = read_common(iter_dir)
     metadata = read_metadata_safely(iter_dir)
-    args = {**_args_dict(common.get("args")), **dict(overrides or {})}
+    args = {**args_dict(common.get("args")), **dict(overrides or {})}
     hf_config_from_args(args, vocab_size=args.get("padded_vocab_size") or 1)  # refuses non-Llama args early
 
     class _AlreadyRead(TorchCommonLoadStrategy):  # common.pt was read above, safely: do not torch.load it again

@@ -6,23 +6,19 @@ through the output projection: the decoder runs once, then `lm_head` sees N hidd
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import torch
 
+from nano_eval.backends.base import Batch
 from nano_eval.errors import NanoEvalError
-from nano_eval.models.base import Batch
-from nano_eval.packing import tree_attention_mask
 from nano_eval.parallel import ParallelLayout
-
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+from nano_eval.rows import tree_attention_mask
 
 
 class TransformersModel:
-    """A causal LM from transformers behind the backend protocol (see nano_eval.models.base.Backend).
+    """A causal LM from transformers behind the backend protocol (see nano_eval.backends.base.Backend).
 
-    Takes packed rows (nano_eval.packing) when its attention takes a custom 4D mask (sdpa: bool, eager: additive).
+    Takes packed rows (nano_eval.rows) when its attention takes a custom 4D mask (sdpa: bool, eager: additive).
+    Load a saved model folder or Hub id with nano_eval.checkpoints.hf.load_transformers.
     """
 
     supports_packed_rows = True
@@ -36,28 +32,6 @@ class TransformersModel:
         self._head_only_on_scored = _can_split_head(model)
         self._attn = getattr(model.config, "_attn_implementation", None)
         self.supports_packed_rows = self._attn in ("sdpa", "eager")
-
-    @classmethod
-    def from_pretrained(
-        cls,
-        path: str,
-        *,
-        device: str = "cpu",
-        dtype: str = "float32",
-        max_length: int | None = None,
-        trust_remote_code: bool = False,
-        layout: ParallelLayout | None = None,
-    ) -> TransformersModel:
-        """Load a model folder (or Hub id). Weights load through safetensors where present; remote code stays off
-        unless asked for."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        check_model_dir(path)
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code, use_safetensors=_has_safetensors(path)
-        )
-        return cls(model.to(device), tokenizer, layout=layout, max_length=max_length)
 
     @torch.no_grad()
     def forward(self, batch: Batch) -> torch.Tensor:
@@ -85,31 +59,6 @@ class TransformersModel:
             return mask
         dtype = next(self.model.parameters()).dtype
         return torch.zeros(mask.shape, dtype=dtype, device=self.device).masked_fill_(~mask, torch.finfo(dtype).min)
-
-
-def check_model_dir(path: str) -> None:
-    """A local checkpoint folder must hold weights: say so clearly instead of failing deep inside transformers."""
-    p = Path(path)
-    if not p.exists():
-        if os.sep in path or path.startswith("."):
-            raise NanoEvalError(f"checkpoint {path} does not exist. Fix: pass the folder that holds config.json.")
-        return  # a Hub id: transformers handles it
-    if not p.is_dir():
-        raise NanoEvalError(f"checkpoint {path} is a file. Fix: pass the folder that holds config.json and the weights.")
-    if not (p / "config.json").exists():
-        raise NanoEvalError(f"checkpoint {path} has no config.json. Fix: pass a transformers model folder.")
-    if not any((p / f).exists() for f in WEIGHT_FILES):
-        raise NanoEvalError(
-            f"checkpoint {path} has no weights (looked for {', '.join(WEIGHT_FILES)}). "
-            "Fix: point --checkpoint at a folder saved with save_pretrained, or finish copying the checkpoint."
-        )
-
-
-def _has_safetensors(path: str) -> bool | None:
-    p = Path(path)
-    if not p.is_dir():
-        return None
-    return any(p.glob("*.safetensors")) or (p / "model.safetensors.index.json").exists()
 
 
 def _model_max_length(model, tokenizer) -> int:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from nano_eval.backends.base import Batch
 from nano_eval.compat.nanotron import forward_kwargs, import_nanotron
-from nano_eval.models.base import Batch
 from nano_eval.parallel import ParallelLayout
 
 
@@ -38,7 +38,7 @@ def _stage_ranks(model) -> tuple[int, int]:
 
 
 class NanotronModel:
-    """A nanotron model behind the backend protocol (nano_eval.models.base.Backend).
+    """A nanotron model behind the backend protocol (nano_eval.backends.base.Backend).
 
     `model` is the trainer's model as is: `LlamaForTraining` (we call its `.model`), nanotron main's Qwen2, or any
     module with the same forward convention returning `[S, B, V/tp]` logits on the last stage.

@@ -1,0 +1,77 @@
+"""Load any saved checkpoint as a backend: the one place where a checkpoint format meets its reader.
+
+Formats, in the order they are recognised: a nanotron checkpoint (`config.yaml` + `model/`), a Megatron iteration
+folder or run dir (legacy `mp_rank_*` shards or torch_dist), else a transformers folder or Hub id. nanotron and
+Megatron checkpoints are read into a transformers Llama (any machine); `backend="nanotron"` builds nanotron's own
+model in a TP x PP layout instead (GPU + flash-attn).
+
+Also the one checkpoint fingerprint, used in results.json and to recognise a checkpoint a sweep already scored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from nano_eval.errors import NanoEvalError
+
+HEAD_BYTES = 1 << 20  # bytes read from the start of each weight / config file
+READ_SUFFIXES = (".safetensors", ".bin", ".pt", ".json", ".yaml", ".distcp")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadOptions:
+    """How to build the model behind an evaluation from a checkpoint."""
+
+    backend: str = "transformers"  # "nanotron": nanotron's own model class in tp x pp (GPU + flash-attn)
+    tp: int = 1  # tensor-parallel degree (backend "nanotron")
+    pp: int = 1  # pipeline-parallel degree (backend "nanotron")
+    tokenizer: str | None = None  # nanotron: default config.yaml's; Megatron: required
+    device: str = "cpu"
+    dtype: str = "float32"  # "float32", "bfloat16" or "float16"
+    max_length: int | None = None  # override the model's context length
+    trust_remote_code: bool = False  # let a transformers checkpoint's own Python code run
+
+
+def load_backend(path: str, options: LoadOptions = LoadOptions()):
+    """The backend holding the checkpoint at `path` (a folder, or a Hub id for transformers)."""
+    from nano_eval.checkpoints import megatron_legacy, nanotron
+    from nano_eval.checkpoints.hf import load_transformers
+
+    o = options
+    if o.backend == "nanotron":
+        if not nanotron.is_nanotron_checkpoint(path):
+            raise NanoEvalError(f"--backend nanotron needs a nanotron checkpoint (config.yaml + model/): {path}")
+        return nanotron.load_native(path, o.tokenizer, tp=o.tp, pp=o.pp, dtype=o.dtype, max_length=o.max_length)
+    if nanotron.is_nanotron_checkpoint(path):
+        return nanotron.load_as_transformers(path, o.tokenizer, device=o.device, dtype=o.dtype,
+                                             max_length=o.max_length)
+    if megatron_legacy.is_megatron_checkpoint(path):
+        return megatron_legacy.load_as_transformers(path, o.tokenizer, device=o.device, dtype=o.dtype,
+                                                    max_length=o.max_length)
+    return load_transformers(path, device=o.device, dtype=o.dtype, max_length=o.max_length,
+                             trust_remote_code=o.trust_remote_code)
+
+
+def fingerprint(path: str | Path) -> str:
+    """A cheap content fingerprint of a checkpoint folder, subfolders included (nanotron keeps weights in model/):
+    every file's relative path and size, plus the first MiB of weight and config files. Copying a checkpoint keeps
+    it; rewriting its weights changes it."""
+    root = Path(path)
+    digest = hashlib.sha256()
+    for f in sorted(p for p in root.rglob("*") if p.is_file()):
+        rel = f.relative_to(root).as_posix()
+        digest.update(f"{rel}:{f.stat().st_size}\n".encode())
+        if f.suffix in READ_SUFFIXES:
+            with f.open("rb") as fh:
+                digest.update(fh.read(HEAD_BYTES))
+    return digest.hexdigest()[:16]
+
+
+def checkpoint_identity(path: str) -> dict:
+    """What results.json says about the checkpoint: its resolved path and fingerprint (a Hub id: the id alone)."""
+    p = Path(path)
+    if not p.is_dir():
+        return {"path": path}
+    return {"path": str(p.resolve()), "fingerprint": fingerprint(p)}

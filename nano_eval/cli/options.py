@@ -1,0 +1,139 @@
+"""Option groups shared by `nano_eval eval` and `nano_eval sweep`, their checks, and argv -> frozen configs.
+
+Every value is checked while parsing: a bad one ends the command with one `nano_eval: error: ...` line and exit
+code 2, before anything is loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from nano_eval.checkpoints.load import LoadOptions
+from nano_eval.engine import BatchingConfig
+from nano_eval.evaluator import EvalConfig
+from nano_eval.job import EvalJob
+
+TASK_FILE_SUFFIXES = (".txt", ".yaml", ".yml", ".json")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Every option with its default (unless its help already says it); descriptions and epilogs keep their line
+    breaks."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_text = action.help or ""
+        return help_text if "(default" in help_text else super()._get_help_string(action)
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one `nano_eval: error:` line pointing at the command's --help."""
+
+    def __init__(self, *args, command: str, **kwargs):
+        super().__init__(*args, formatter_class=HelpFormatter, **kwargs)
+        self.command = command
+
+    def error(self, message: str):
+        self.exit(2, f"nano_eval: error: {message} (see `{self.command} --help`)\n")
+
+
+def positive_int(text: str) -> int:
+    value = _number(text, int)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = _number(text, int)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = _number(text, float)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    value = _number(text, float)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text!r}")
+    return value
+
+
+def _number(text: str, kind: type):
+    try:
+        return kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be {'an integer' if kind is int else 'a number'}, got {text!r}")
+
+
+def task_specs(text: str) -> str:
+    """`--tasks`: specs, or a file of specs. A value that looks like a path must name an existing file."""
+    looks_like_path = "|" not in text and ("/" in text or text.endswith(TASK_FILE_SUFFIXES))
+    if looks_like_path and not Path(text).expanduser().is_file():
+        raise argparse.ArgumentTypeError(f"file not found: {text} (a task file holds one suite|task|k spec per "
+                                         "line; or pass the specs themselves, comma-separated)")
+    return text
+
+
+def add_model_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--backend", default="transformers", choices=["transformers", "nanotron"],
+                   help="nanotron: build nanotron's own model in --tp x --pp (GPU + flash-attn); transformers: any "
+                        "machine")
+    g.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel degree (--backend nanotron)")
+    g.add_argument("--pp", type=positive_int, default=1, help="pipeline-parallel degree (--backend nanotron)")
+    g.add_argument("--tokenizer", default=None,
+                   help="tokenizer for a nanotron (default: its config.yaml's) or Megatron (required) checkpoint")
+    g.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="where the model runs")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="weights and activations (scores are always computed in fp32)")
+    g.add_argument("--max-length", type=positive_int, default=None,
+                   help="override the model's context length (default: the model's own)")
+    g.add_argument("--trust-remote-code", action="store_true", help="allow the checkpoint's own Python code to run")
+
+
+def add_task_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("tasks")
+    g.add_argument("--tasks", type=task_specs, default=None,
+                   help="comma-separated specs suite|task|num_fewshot, or a file with one per line")
+    g.add_argument("--custom-tasks", default=None, help="Python file defining TASKS_TABLE = [TaskConfig(...)]")
+    g.add_argument("--data-dir", default=None, help="offline data mirror: <dir>/<hf_repo>/<subset>/<split>")
+    g.add_argument("--max-samples", type=positive_int, default=None,
+                   help="evaluate the first K documents of each task (default: all)")
+    g.add_argument("--seed", type=int, default=0, help="few-shot sampling seed")
+
+
+def add_run_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("batching and output (scores never depend on batching)")
+    g.add_argument("--batch-tokens", type=positive_int, default=BatchingConfig.max_batch_tokens,
+                   help="padded tokens per forward")
+    g.add_argument("--max-batch-size", type=positive_int, default=BatchingConfig.max_batch_size,
+                   help="rows per forward")
+    g.add_argument("--output-dir", default="nano_eval_results", help="where results.json and details/ go")
+    g.add_argument("--no-details", action="store_true", help="skip the per-sample details files")
+    g.add_argument("--dist-timeout", type=positive_float, default=600,
+                   help="seconds a collective may wait for another rank before failing (torchrun)")
+
+
+def load_options(args: argparse.Namespace) -> LoadOptions:
+    return LoadOptions(backend=args.backend, tp=args.tp, pp=args.pp, tokenizer=args.tokenizer, device=args.device,
+                       dtype=args.dtype, max_length=args.max_length, trust_remote_code=args.trust_remote_code)
+
+
+def eval_job(args: argparse.Namespace, tasks: str, *, progress: bool = True) -> EvalJob:
+    """The frozen job the parsed arguments describe (`tasks` given apart: the demo fills it in)."""
+    batching = BatchingConfig(max_batch_tokens=args.batch_tokens, max_batch_size=args.max_batch_size)
+    return EvalJob(
+        tasks=tasks, custom_tasks=args.custom_tasks, data_dir=args.data_dir, output_dir=args.output_dir,
+        details=not args.no_details, load=load_options(args),
+        eval=EvalConfig(max_samples=args.max_samples, seed=args.seed, batching=batching, progress=progress),
+    )
+

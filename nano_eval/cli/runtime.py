@@ -1,0 +1,106 @@
+"""What every command needs around its body: the torchrun process group, exit codes, and a stdout that may close.
+
+Exit codes: 0 done; 2 bad input (one `nano_eval: error: ...` line naming the thing and the fix); 1 anything else
+(traceback, then one error line). Under torchrun a failing rank exits at once, so torchrun stops the others instead
+of leaving them waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import traceback
+from datetime import timedelta
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from nano_eval.errors import NanoEvalError
+
+
+def init_distributed(device: str, timeout_s: float) -> None:
+    """Join the torchrun process group if launched by torchrun (gloo on CPU, nccl on GPU).
+
+    The timeout bounds how long a rank waits in a collective for a peer that died (launchers other than torchrun
+    do not kill the surviving ranks for us)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        if device.startswith("cuda"):
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+
+
+def is_rank_zero() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def run_command(body: Callable[[], None], what: str) -> int:
+    """Run a command's body on this rank and turn failures into exit codes every launcher understands."""
+    rank = int(os.environ.get("RANK", "0"))
+    prefix = f"[rank {rank}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+    try:
+        with quiet_broken_pipe():
+            body()
+    except NanoEvalError as e:
+        print(f"nano_eval: error: {prefix}{e}", file=sys.stderr)
+        return 2
+    except Exception as e:
+        traceback.print_exc()
+        print(f"nano_eval: error: {prefix}{what} failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    if dist.is_initialized():
+        # Leave together: a rank that tears its gloo group down while rank 0 still writes (a sweep's report)
+        # was seen to abort ("terminate called without an active exception").
+        dist.barrier()
+        dist.destroy_process_group()
+    return 0
+
+
+class _PipeSafe:
+    """A text stream whose writes never raise BrokenPipeError: once the reader is gone (`nano_eval ... | head`),
+    the file descriptor is pointed at /dev/null and the command goes on (its files are still written)."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._to_devnull()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._to_devnull()
+
+    def _to_devnull(self) -> None:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, self._stream.fileno())  # what is still buffered goes there too: no error at exit
+        os.close(devnull)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def quiet_broken_pipe() -> Iterator[None]:
+    """Inside: sys.stdout survives a closed pipe (see _PipeSafe); streams without a file descriptor are left as
+    they are (pytest's capture, io.StringIO)."""
+    stream = sys.stdout
+    try:
+        stream.fileno()
+    except (AttributeError, OSError, ValueError):
+        yield
+        return
+    sys.stdout = safe = _PipeSafe(stream)
+    try:
+        yield
+    finally:
+        safe.flush()  # what is still buffered meets a closed pipe here, not at interpreter exit
+        if sys.stdout is safe:
+            sys.stdout = stream

@@ -1,0 +1,87 @@
+"""`nano_eval sweep RUN_DIR --tasks SPECS --output-dir OUT`: score every checkpoint of a training run, once each.
+
+Resumable (a checkpoint already scored with the same settings is reused), `--watch` waits for new checkpoints;
+writes <OUT>/<checkpoint>/results.json, a consolidated table, a learning-curve report and (optionally) W&B rows.
+Under torchrun every rank evaluates each checkpoint (data parallel) and rank 0 writes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+from nano_eval.cli.options import (Parser, add_model_options, add_run_options, add_task_options, eval_job,
+                                   non_negative_float, non_negative_int, positive_float, positive_int)
+from nano_eval.cli.runtime import init_distributed, is_rank_zero, run_command
+from nano_eval.sweep.runner import SweepOptions, SweepRunner
+
+COMMAND = "nano_eval sweep"
+
+
+def build_parser() -> Parser:
+    p = Parser(prog=COMMAND, command=COMMAND, description=__doc__.split("\n\n", 1)[0])
+    p.add_argument("run_dir", nargs="?", help="training run directory holding the checkpoints")
+    p.add_argument("--checkpoint", dest="checkpoint", default=None, help="the run directory, as an option")
+    add_model_options(p)
+    add_task_options(p)
+    add_run_options(p)
+    g = p.add_argument_group("which checkpoints")
+    g.add_argument("--every", type=positive_int, default=None, help="only steps divisible by K")
+    g.add_argument("--min-step", type=int, default=None, help="only steps >= this")
+    g.add_argument("--max-step", type=int, default=None, help="only steps <= this")
+    g.add_argument("--last", type=non_negative_int, default=None,
+                   help="only the last N checkpoints (after the filters above)")
+    g.add_argument("--tokens-per-step", type=positive_int, default=None,
+                   help="consumed tokens = step x N, for checkpoints whose metadata does not say")
+    g = p.add_argument_group("waiting for checkpoints")
+    g.add_argument("--watch", action="store_true", help="keep polling and evaluate new checkpoints as they appear")
+    g.add_argument("--poll-s", type=positive_float, default=30.0, help="seconds between looks at RUN_DIR (--watch)")
+    g.add_argument("--until-step", type=int, default=None, help="stop once a checkpoint at or past this step is done")
+    g.add_argument("--settle-s", type=non_negative_float, default=5.0,
+                   help="a checkpoint without a trainer marker must look unchanged this long before it is read")
+    g.add_argument("--no-report", action="store_true", help="skip the PNG/HTML learning-curve report")
+    g = p.add_argument_group("W&B")
+    g.add_argument("--wandb-project", default=None, help="log into a new W&B run of this project")
+    g.add_argument("--wandb-entity", default=None, help="W&B entity (team) of the run")
+    g.add_argument("--wandb-run-id", default=None, help="resume this run (e.g. the training run) instead")
+    g.add_argument("--wandb-run-name", default=None, help="name of a new run")
+    g.add_argument("--wandb-mode", default=None, choices=["online", "offline", "disabled"],
+                   help="W&B mode (default: WANDB_MODE or W&B's own default)")
+    return p
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.run_dir = args.run_dir or args.checkpoint
+    if not args.run_dir:
+        parser.error("the run directory is needed: nano_eval sweep RUN_DIR --tasks ... (or --checkpoint RUN_DIR)")
+    if not args.tasks:
+        parser.error("a sweep needs --tasks 'suite|task|k,...' (see `nano_eval --list-tasks`)")
+    return args
+
+
+def sweep_options(args: argparse.Namespace) -> SweepOptions:
+    return SweepOptions(
+        run_dir=args.run_dir, every=args.every, min_step=args.min_step, max_step=args.max_step, last=args.last,
+        watch=args.watch, poll_s=args.poll_s, settle_s=args.settle_s, until_step=args.until_step,
+        tokens_per_step=args.tokens_per_step, report=not args.no_report, wandb_project=args.wandb_project,
+        wandb_entity=args.wandb_entity, wandb_run_id=args.wandb_run_id, wandb_run_name=args.wandb_run_name,
+        wandb_mode=args.wandb_mode,
+    )
+
+
+def main(argv: list[str]) -> int:
+    args = parse(argv)
+
+    def body() -> None:
+        init_distributed(args.device, args.dist_timeout)
+        start = time.perf_counter()
+        summary = SweepRunner(eval_job(args, args.tasks), sweep_options(args)).run()
+        if is_rank_zero():
+            print(f"\nsweep of {args.run_dir}: {len(summary.evaluated)} evaluated, {len(summary.reused)} reused, "
+                  f"{len(summary.incomplete)} skipped as unfinished, in {time.perf_counter() - start:.1f}s; "
+                  f"table: {os.path.join(args.output_dir, 'sweep_results.csv')}")
+
+    return run_command(body, "sweep")

@@ -1,0 +1,73 @@
+"""Greedy decoding: re-run the whole prompt (plus what was generated) for every new token.
+
+No KV cache: each step is one ordinary forward of prompt-only rows (nano_eval.rows.last_position_row), so it
+works on every backend and every TP/PP layout. The argmax comes from the vocab-sharded logits on the output
+pipeline stage and is broadcast to every rank of the replica, so all ranks agree on when to stop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from nano_eval.backends.base import Backend
+from nano_eval.parallel import broadcast_tensor_from_output_stage
+from nano_eval.rows import Row, last_position_row, make_batch
+from nano_eval.scoring import VocabShard, argmax_tokens
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    text: str
+    tokens: list[int]
+    input_tokens: list[int]
+    truncated: int
+
+
+def greedy_decode(backend: Backend, rows: Sequence[Row], pad_id: int, eos_id: int | None,
+                  vocab_shard: Callable[[torch.Tensor], VocabShard]) -> dict:
+    """{request key: GenerationResult} for generation rows that share one `Generation` (max_new_tokens, stop).
+
+    Every rank of the model replica calls it with the same rows; every rank returns the same results.
+    """
+    tok, layout = backend.tokenizer, backend.layout
+    prompts = [row.segments[0] for row in rows]  # prompt tokens in .context, key and truncation in .choices[0]
+    max_new, stops = rows[0].generation.max_new_tokens, rows[0].generation.stop
+    generated: list[list[int]] = [[] for _ in rows]
+    active = list(range(len(rows)))
+    for _ in range(max_new):
+        step_rows = [last_position_row(None, prompts[i].context + generated[i]) for i in active]
+        logits = backend.forward(make_batch(step_rows, pad_id, with_mask=False))
+        next_ids = torch.zeros(len(active), dtype=torch.int64, device=layout.device)
+        if logits is not None:
+            next_ids = argmax_tokens(logits, vocab_shard(logits)).to(next_ids.device)
+        next_ids = broadcast_tensor_from_output_stage(next_ids, layout).tolist()
+        still = []
+        for i, t in zip(active, next_ids):
+            if t == eos_id:
+                continue
+            generated[i].append(t)
+            if not _hit_stop(tok.decode(generated[i]), stops):
+                still.append(i)
+        active = still
+        if not active:
+            break
+    out = {}
+    for prompt, gen in zip(prompts, generated):
+        choice = prompt.choices[0]
+        out[choice.key] = GenerationResult(text=_cut_at_stop(tok.decode(gen), stops), tokens=gen,
+                                           input_tokens=prompt.context, truncated=choice.truncated)
+    return out
+
+
+def _hit_stop(text: str, stops: Sequence[str]) -> bool:
+    return any(s and s in text for s in stops)
+
+
+def _cut_at_stop(text: str, stops: Sequence[str]) -> str:
+    for s in stops:
+        if s and s in text:
+            text = text.split(s, 1)[0]
+    return text

@@ -1,1 +1,0 @@
-"""Glue between nano_eval and training frameworks (nanotron trainer mixin, ...)."""

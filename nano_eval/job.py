@@ -1,0 +1,55 @@
+"""One evaluation of saved checkpoints, as `nano_eval eval` and `nano_eval sweep` run it: which tasks, how they are
+scored, how the model is loaded and where the files go (`EvalJob`), and `evaluate_checkpoint`, the load -> score
+-> write step both commands share.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from nano_eval.checkpoints.load import LoadOptions, checkpoint_identity, load_backend
+from nano_eval.evaluator import EvalConfig, EvalResults, Evaluator
+from nano_eval.tracking.results import results_document, write_results
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalJob:
+    """Everything that decides what a command-line evaluation computes and writes (parsed once from argv)."""
+
+    tasks: str  # "suite|task|k,..." or a file with one spec per line
+    custom_tasks: str | None = None  # Python file defining TASKS_TABLE
+    data_dir: str | None = None  # offline data mirror
+    output_dir: str = "nano_eval_results"
+    details: bool = True  # per-sample details files next to results.json
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    load: LoadOptions = field(default_factory=LoadOptions)
+
+    def config_section(self) -> dict[str, Any]:
+        """The `config` section of results.json: the settings recorded with the scores."""
+        return {
+            "tasks": self.tasks,
+            "max_samples": self.eval.max_samples,
+            "seed": self.eval.seed,
+            "batch_tokens": self.eval.batching.max_batch_tokens,
+            "max_batch_size": self.eval.batching.max_batch_size,
+            "dtype": self.load.dtype,
+            "max_length": self.load.max_length,
+        }
+
+
+def evaluate_checkpoint(job: EvalJob, tasks: list, checkpoint: str, out_dir: str | Path, *, step: int | None = None,
+                        consumed_tokens: int | None = None, extra: Mapping[str, Any] | None = None,
+                        replace_details: bool = False) -> EvalResults:
+    """Load `checkpoint`, score it on `tasks` ([(TaskSpec, Task)], loaded once by the caller), and on global rank 0
+    write `<out_dir>/results.json` (+ details; see tracking.results.write_results). Every rank calls it; every rank
+    returns the same results. The model is dropped on return."""
+    backend = load_backend(checkpoint, job.load)
+    results = Evaluator(backend, tasks, job.eval).evaluate(step=step)
+    if backend.layout.is_main:
+        doc = results_document(results, layout=backend.layout, config=job.config_section(),
+                               checkpoint=checkpoint_identity(checkpoint), step=step,
+                               consumed_tokens=consumed_tokens, extra=extra)
+        write_results(out_dir, doc, results, details=job.details, replace_details=replace_details)
+    return results

@@ -1,1 +1,0 @@
-"""Model backends. Each returns ModelResponse-ready results through the shared scoring core."""

@@ -1,0 +1,1 @@
+"""Evaluation inside training: the hook, its config, and the nanotron trainer / Megatron pretrain adapters."""
