@@ -8,13 +8,20 @@ the hook logs the eval metrics into that same run with the training step as x-ax
 <output-dir>/eval_results.jsonl (one line per evaluation) and <output-dir>/step_<N>/results.json, and at the
 end this script prints the metrics over the steps from the JSONL file. `wandb sync <output-dir>/wandb/offline-run-*`
 uploads the run later if you want to see the charts.
+
+Like a real trainer it also saves checkpoints, every --save-every steps, as transformers folders
+<output-dir>/checkpoints/step_<N>/ (with trainer_state.json holding the consumed tokens). Each one appears
+complete or not at all (written beside, then renamed), so a sweep can watch the folder while training runs:
+`bash examples/sweep_run_dir.sh <output-dir>/checkpoints` scores them all afterwards.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -42,6 +49,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=16, help="sequences per rank and step")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--output-dir", default="train_with_eval_hook_out")
+    p.add_argument("--save-every", type=int, default=300, help="save a checkpoint every N steps (0: never)")
     p.add_argument("--wandb-mode", default="offline", choices=["offline", "online", "disabled"])
     p.add_argument("--time-budget-s", type=float, default=None, help="soft limit per evaluation (between tasks)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process (a toy model: 1 is fastest)")
@@ -101,6 +109,8 @@ def main() -> None:
         consumed += int(tokens)
         if run is not None and step % 10 == 0:
             run.log({"train/loss": loss.item(), "train/step": step, "train/consumed_tokens": consumed})
+        if rank == 0 and args.save_every and step % args.save_every == 0:
+            save_checkpoint(getattr(model, "module", model), tokenizer, out / "checkpoints", step, consumed)
         results = hook.maybe_evaluate(step, consumed_tokens=consumed)  # every rank calls it; None when not due
         if results is not None and rank == 0:
             print(f"step {step}: loss {loss.item():.3f}, eval {results.time_s:.1f}s "
@@ -123,6 +133,20 @@ def main() -> None:
             print("  ".join(cells + [f"{row['time_s']:>7.1f}"]))
     if world > 1:
         dist.destroy_process_group()
+
+
+def save_checkpoint(model, tokenizer, run_dir: Path, step: int, consumed_tokens: int) -> Path:
+    """Write `run_dir/step_<step>/` as a transformers folder, atomically: built in a hidden sibling, then renamed."""
+    final = run_dir / f"step_{step}"
+    staging = run_dir.parent / f".staging_step_{step}"
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    (staging / "trainer_state.json").write_text(json.dumps({"global_step": step, "num_input_tokens_seen": consumed_tokens}))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(staging, final)
+    return final
 
 
 if __name__ == "__main__":
