@@ -2,13 +2,13 @@
 # Evaluate every checkpoint of a training run directory, then the same as a watching sweep would.
 #
 #   python examples/train_with_eval_hook.py            # a toy training run: writes train_with_eval_hook_out/checkpoints/
-#   bash examples/sweep_run_dir.sh [RUN_DIR] [OUT_DIR]  # defaults: that run directory, sweep_out
+#   bash examples/sweep_run_dir.sh [RUN_DIR] [OUT_DIR]  # defaults: that run directory, sweep_run_dir_out
 #
 # RUN_DIR holds nanotron <step>/ folders (+ latest.txt), Megatron iter_XXXXXXX/ folders, or HF checkpoint-N/ /
 # step_N/ folders. Re-running the same command skips checkpoints already scored with the same tasks and settings.
 set -euo pipefail
 RUN_DIR="${1:-train_with_eval_hook_out/checkpoints}"
-OUT_DIR="${2:-sweep_out}"
+OUT_DIR="${2:-sweep_run_dir_out}"
 TASKS="demo|arithmetic|0,demo|arithmetic_gen|3,demo|arithmetic_ppl|0"
 if [ ! -d "$RUN_DIR" ]; then
     echo "no run directory at $RUN_DIR: run 'python examples/train_with_eval_hook.py' first, or pass one" >&2
