@@ -157,11 +157,24 @@ def test_option_reaches_every_config():
     jobs = {flag: options.eval_job(parser.parse_args([flag] if flag else []), "demo|arithmetic|0")
             for flag in ("", "--add-bos-token", "--no-add-bos-token")}
     assert [j.eval.add_bos_token for j in jobs.values()] == [None, True, False]
-    assert [j.config_section()["add_bos_token"] for j in jobs.values()] == [None, True, False]
-    from nano_eval.sweep.identity import evaluation_identity
+    assert [j.config_section()["add_bos_token"] for j in jobs.values()] == [None, True, False]  # results.json
+    from nano_eval.training.nanotron import parse_eval_section
 
-    identities = {evaluation_identity(j, ["demo|arithmetic|0"], {"demo|arithmetic|0": 0}, "fp") for j in jobs.values()}
-    assert len(identities) == 3
-    assert EvalHookConfig(tasks="demo|arithmetic|0", add_bos_token=False).add_bos_token is False
+    section = parse_eval_section({"tasks": "demo|arithmetic|0", "add_bos_token": False})  # nanotron YAML section
+    assert section.hook.add_bos_token is False
     with pytest.raises(ValueError, match="add_bos_token"):
         EvalHookConfig(tasks="demo|arithmetic|0", add_bos_token="yes")
+
+
+def test_training_hook_tokenises_with_its_setting(checkpoints, tmp_path):
+    from nano_eval.training.hook import EvalHook
+
+    backend = load_transformers(str(checkpoints["bos"]))
+    prefixes = {}
+    for setting in (None, False):
+        config = EvalHookConfig(tasks="demo|arithmetic|0", max_samples=2, add_bos_token=setting,
+                                output_dir=str(tmp_path / str(setting)))
+        hook = EvalHook.for_transformers(config, backend.model, backend.tokenizer)
+        prefixes[setting] = [e.engine.tokens.prefix for e in hook._evaluators]
+        hook.close()
+    assert prefixes == {None: [(537,)], False: [()]}
