@@ -67,11 +67,6 @@ class Tokenization:
                                 "to condition empty contexts. Fix: set tokenizer.eos_token.")
         return cls(tokenizer, prefix, prefix_id, _eos_ids(eos, generation_config))
 
-    @property
-    def adds_bos(self) -> bool:
-        """Whether contexts start with BOS (what `add_bos_token=None` resolved to, for the results file)."""
-        return self.tokenizer.bos_token_id is not None and self.tokenizer.bos_token_id in self.prefix
-
     def text(self, text: str) -> list[int]:
         """The text's own tokens, no special token added."""
         return self.tokenizer.encode(text, add_special_tokens=False)
