@@ -2,7 +2,7 @@
 
 `prepare_*` turn requests into sorted datasets of rows (nano_eval.rows; done once, when an Evaluator is built);
 `run_*` push those rows through `backend.forward` and return one result per request key, identical on every rank.
-Tokenisation follows lm-evaluation-harness exactly so that scores agree with it.
+Text becomes tokens by one rule, lm-evaluation-harness's (nano_eval.tokenization), so that scores agree with it.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from nano_eval.tasks.requests import (
     LoglikelihoodRollingRequest,
     LoglikelihoodSingleTokenRequest,
 )
+from nano_eval.tokenization import Tokenization
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,29 +54,19 @@ class LoglikelihoodResult:
 class Engine:
     """Scores requests with a backend. Build once per backend; datasets are prepared once and run many times."""
 
-    def __init__(self, backend: Backend, batching: BatchingConfig = BatchingConfig(), progress: bool = True):
+    def __init__(self, backend: Backend, batching: BatchingConfig = BatchingConfig(), progress: bool = True,
+                 add_bos_token: bool | None = None):
         self.backend, self.batching, self.layout = backend, batching, backend.layout
         self.progress = progress and self.layout.is_main
+        generation_config = getattr(getattr(backend, "module", None), "generation_config", None)
+        self.tokens = Tokenization.of(backend.tokenizer, add_bos_token, generation_config)
         tok = backend.tokenizer
-        self.eos_id = tok.eos_token_id
-        self.prefix_id = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
-        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else (self.eos_id or 0)
-
-    # ---- tokenising --------------------------------------------------------------------------------------------
-
-    def encode(self, text: str) -> list[int]:
-        return self.backend.tokenizer.encode(text)
+        eos = tok.eos_token_id
+        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else (eos or 0)
 
     def encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
-        """Tokens of context and continuation as lm-eval splits them: trailing context spaces move to the
-        continuation, and the continuation is whatever the joint encoding adds after the context."""
-        if not context:
-            return [self.prefix_id], self.encode(continuation)
-        n_spaces = len(context) - len(context.rstrip())
-        if n_spaces:
-            context, continuation = context[:-n_spaces], context[-n_spaces:] + continuation
-        whole, ctx = self.encode(context + continuation), self.encode(context)
-        return ctx, whole[len(ctx) :]
+        """(context tokens, continuation tokens) of a loglikelihood request (Tokenization.pair)."""
+        return self.tokens.pair(context, continuation)
 
     def _fit(self, key: Any, context: list[int], continuation: list[int], what: str) -> Row:
         """The row scoring `continuation`, its context cut on the left to fit the model's context length."""
@@ -138,9 +129,9 @@ class Engine:
         """Whole-text log-likelihood in disjoint windows of the model's length (lm-eval's rolling windows)."""
         rows = []
         for r in requests:
-            tokens = self.encode(r.context)
+            tokens = self.tokens.context(r.context)
             r.tokenized_context = tokens
-            for w, (ctx, cont) in enumerate(rolling_windows(tokens, self.prefix_id, self.backend.max_length)):
+            for w, (ctx, cont) in enumerate(rolling_windows(tokens, self.tokens.prefix_id, self.backend.max_length)):
                 rows.append(plain_row((r.key, w), ctx, cont))
         return LoglikelihoodDataset(rows)
 
@@ -155,7 +146,7 @@ class Engine:
                     f"task {r.task_name}: generation_size={max_new} leaves no room for a prompt in a model of "
                     f"length {self.backend.max_length}. Fix: lower the task's generation_size."
                 )
-            tokens = self.encode(r.context) if r.context else [self.prefix_id]
+            tokens = self.tokens.prompt(r.context)
             r.tokenized_context = tokens
             truncated = max(0, len(tokens) - room)
             generation = Generation(max_new, tuple(r.stop_sequence or ()))
@@ -197,10 +188,10 @@ class Engine:
         return gather_dicts_over_dp(broadcast_from_output_stage(local, self.layout), self.layout)
 
     def run_greedy(self, dataset: GenerativeTaskDataset, desc: str = "generate") -> dict:
-        """{key: GenerationResult}: greedy continuation up to a stop sequence, EOS or max_new_tokens."""
+        """{key: GenerationResult}: greedy continuation up to a stop sequence, any EOS id or max_new_tokens."""
         local: dict = {}
         for rows in self._my_batches(dataset, desc):
-            local.update(greedy_decode(self.backend, rows, self.pad_id, self.eos_id, self._vocab_shard))
+            local.update(greedy_decode(self.backend, rows, self.pad_id, self.tokens.eos_ids, self._vocab_shard))
         return gather_dicts_over_dp(broadcast_from_output_stage(local, self.layout), self.layout)
 
 

@@ -25,6 +25,9 @@ class EvalConfig:
 
     max_samples: int | None = None  # first K documents of each task (dataset order)
     seed: int = 0  # few-shot sampling seed
+    # BOS before every context: None = the tokenizer's own choice (lm-evaluation-harness's default), True / False
+    # force it (see nano_eval.tokenization). Changes scores.
+    add_bos_token: bool | None = None
     batching: BatchingConfig = field(default_factory=BatchingConfig)
     progress: bool = True
 
@@ -74,7 +77,7 @@ class Evaluator:
     def __init__(self, backend: Backend, tasks: list[tuple[TaskSpec, Task]], config: EvalConfig = EvalConfig()):
         start = time.perf_counter()
         self.backend, self.config = backend, config
-        self.engine = Engine(backend, config.batching, progress=config.progress)
+        self.engine = Engine(backend, config.batching, progress=config.progress, add_bos_token=config.add_bos_token)
         self.prepared: list[_PreparedTask] = []
         by_type: dict[RequestType, list[Request]] = defaultdict(list)
         for spec, task in tasks:

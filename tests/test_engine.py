@@ -34,7 +34,7 @@ def test_encode_pair_moves_trailing_spaces_like_lm_eval(toy_backend):
     ctx, cont = engine.encode_pair("The dog runs ", "to the house.")
     enc = toy_backend.tokenizer.encode
     assert ctx == enc("The dog runs") and ctx + cont == enc("The dog runs to the house.")
-    assert engine.encode_pair("", " blue") == ([engine.prefix_id], enc(" blue"))
+    assert engine.encode_pair("", " blue") == ([engine.tokens.prefix_id], enc(" blue"))
 
 
 def test_loglikelihood_matches_direct_forward_for_any_batch_budget(toy_backend):
@@ -82,7 +82,7 @@ def test_rolling_loglikelihood_equals_sum_of_windows(toy_backend):
     assert len(tokens) > toy_backend.max_length  # several windows
     expected = sum(
         _direct_logprob(toy_backend.model, ctx + cont, len(cont))
-        for ctx, cont in rolling_windows(tokens, engine.prefix_id, toy_backend.max_length)
+        for ctx, cont in rolling_windows(tokens, engine.tokens.prefix_id, toy_backend.max_length)
     )
     assert sum(r.logprob for r in results.values()) == pytest.approx(expected, abs=1e-3)
     assert sum(r.num_tokens for r in results.values()) == len(tokens)

@@ -237,8 +237,9 @@ def test_evaluation_identity_changes_with_what_changes_scores():
     from nano_eval.job import EvalJob
     from nano_eval.sweep.identity import evaluation_identity
 
-    def job(max_samples=6, seed=0, dtype="float32", max_length=None, tokenizer=None, batch_tokens=4096):
-        return EvalJob(tasks="t|a|0", eval=EvalConfig(max_samples=max_samples, seed=seed,
+    def job(max_samples=6, seed=0, dtype="float32", max_length=None, tokenizer=None, batch_tokens=4096,
+            add_bos_token=None):
+        return EvalJob(tasks="t|a|0", eval=EvalConfig(max_samples=max_samples, seed=seed, add_bos_token=add_bos_token,
                                                       batching=BatchingConfig(max_batch_tokens=batch_tokens)),
                        load=LoadOptions(dtype=dtype, max_length=max_length, tokenizer=tokenizer))
 
@@ -247,7 +248,7 @@ def test_evaluation_identity_changes_with_what_changes_scores():
 
     assert ident() == ident(batch_tokens=64)  # batching never changes scores
     assert len({ident(), ident(max_samples=7), ident(seed=1), ident(dtype="bfloat16"), ident(max_length=64),
-                ident(tokenizer="tok")}) == 6
+                ident(tokenizer="tok"), ident(add_bos_token=True), ident(add_bos_token=False)}) == 8
     assert evaluation_identity(job(), ["t|a|0"], {"t|a|0": 2}, "fp") != ident()
     assert evaluation_identity(job(), ["t|a|0"], {"t|a|0": 1}, "fp2") != ident()
 

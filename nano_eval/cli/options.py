@@ -97,6 +97,9 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                    help="weights and activations (scores are always computed in fp32)")
     g.add_argument("--max-length", type=positive_int, default=None,
                    help="override the model's context length (default: the model's own)")
+    g.add_argument("--add-bos-token", action=argparse.BooleanOptionalAction, default=None,
+                   help="put BOS before every context (--no-add-bos-token: never); changes scores (default: the "
+                        "tokenizer's own choice, as lm-evaluation-harness)")
     g.add_argument("--trust-remote-code", action="store_true", help="allow the checkpoint's own Python code to run")
 
 
@@ -134,6 +137,7 @@ def eval_job(args: argparse.Namespace, tasks: str, *, progress: bool = True) -> 
     return EvalJob(
         tasks=tasks, custom_tasks=args.custom_tasks, data_dir=args.data_dir, output_dir=args.output_dir,
         details=not args.no_details, load=load_options(args),
-        eval=EvalConfig(max_samples=args.max_samples, seed=args.seed, batching=batching, progress=progress),
+        eval=EvalConfig(max_samples=args.max_samples, seed=args.seed, add_bos_token=args.add_bos_token,
+                        batching=batching, progress=progress),
     )
 

@@ -1,6 +1,6 @@
 """What makes two evaluations of a checkpoint the same: used to skip checkpoints a previous sweep already scored.
 
-evaluation identity = hash(task keys in order, task versions, max_samples, seed, dtype, max_length, tokenizer,
+evaluation identity = hash(task keys in order, task versions, max_samples, seed, add_bos_token, dtype, max_length, tokenizer,
 results schema version, checkpoint fingerprint). Batch sizes and world size are left out: they never change scores.
 """
 
@@ -22,6 +22,7 @@ def evaluation_identity(job: EvalJob, task_keys: list[str], task_versions: dict[
         "task_versions": dict(sorted(task_versions.items())),
         "max_samples": job.eval.max_samples,
         "seed": job.eval.seed,
+        "add_bos_token": job.eval.add_bos_token,
         "dtype": job.load.dtype,
         "max_length": job.load.max_length,
         "tokenizer": job.load.tokenizer,

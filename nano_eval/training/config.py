@@ -30,6 +30,7 @@ class EvalHookConfig:
     custom_tasks: str | None = None  # Python file defining TASKS_TABLE
     data_dir: str | None = None  # offline data mirror
     seed: int = 0  # few-shot sampling seed
+    add_bos_token: bool | None = None  # BOS before contexts; None: the tokenizer's own choice (as lm-eval)
     fail_soft: bool = True  # True: a failed evaluation is reported and training goes on; False: every rank raises
     # The global rank that writes the files and logs to W&B/TensorBoard (results are the same on every rank).
     # Set it to the rank that holds the trainer's W&B run: nanotron logs from the first rank of the last PP stage.
@@ -61,6 +62,8 @@ class EvalHookConfig:
         for key, cap in (self.max_samples_per_task or {}).items():
             if not isinstance(cap, int) or cap <= 0:
                 raise ValueError(f"max_samples_per_task[{key!r}] must be a positive integer, got {cap!r}")
+        if self.add_bos_token is not None and not isinstance(self.add_bos_token, bool):
+            raise ValueError(f"add_bos_token must be true, false or unset, got {self.add_bos_token!r}")
         if self.publish_rank < 0:
             raise ValueError(f"publish_rank must be a global rank >= 0, got {self.publish_rank}")
 

@@ -147,7 +147,8 @@ class EvalHook:
         # One Evaluator per task, so that a time budget can stop between tasks.
         evaluators = [
             Evaluator(self.backend, [(spec, task)],
-                      EvalConfig(max_samples=cap, seed=self.config.seed, batching=batching, progress=self.config.progress))
+                      EvalConfig(max_samples=cap, seed=self.config.seed, add_bos_token=self.config.add_bos_token,
+                                 batching=batching, progress=self.config.progress))
             for (spec, task), cap in zip(tasks, caps)
         ]
         return specs, evaluators
@@ -271,7 +272,7 @@ class EvalHook:
         c = self.config
         config = {"tasks": c.tasks, "max_samples": c.max_samples,
                   "max_samples_per_task": dict(c.max_samples_per_task or {}), "seed": c.seed,
-                  "batch_tokens": c.batch_tokens, "max_batch_size": c.max_batch_size,
+                  "add_bos_token": c.add_bos_token, "batch_tokens": c.batch_tokens, "max_batch_size": c.max_batch_size,
                   "time_budget_s": c.time_budget_s}
         return results_document(results, layout=self.layout, config=config, step=results.step,
                                 consumed_tokens=results.consumed_tokens,
