@@ -13,20 +13,20 @@ from pathlib import Path
 import yaml
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "nanotron_eval.yaml"
-VOCAB = 544  # >= the toy tokenizer's 537 tokens, divisible by every TP degree tested
+VOCAB = 544  # >= the toy tokenizer's 537 tokens, divisible by every TP degree tested (`model=` may override)
 INIT_STD = 0.15  # a random model with opinions: wrong attention offsets move scores far beyond 1e-5
 
 
 def write_config(path: Path, tokenizer_dir: str, run_dir: Path, *, tp=1, pp=1, dp=1, nano_eval: dict | None = None,
-                 **tokens) -> Path:
+                 model: dict | None = None, **tokens) -> Path:
     """A nanotron training YAML (examples/nanotron_eval.yaml, tiny Llama: hidden 64, 2 layers, 4 heads, 2 kv heads)
-    with its paths under `run_dir`; `nano_eval=None` drops the evaluation section."""
+    with its paths under `run_dir`; `nano_eval=None` drops the evaluation section; `model` overrides model_config."""
     config = yaml.safe_load(EXAMPLE.read_text())
     config["tokenizer"]["tokenizer_name_or_path"] = str(tokenizer_dir)
     config["checkpoints"]["checkpoints_path"] = str(run_dir / "checkpoints")
     config["parallelism"].update(tp=tp, pp=pp, dp=dp)
     config["model"]["init_method"]["std"] = INIT_STD
-    config["model"]["model_config"]["vocab_size"] = VOCAB
+    config["model"]["model_config"].update({"vocab_size": VOCAB, **(model or {})})
     config["tokens"].update(tokens)
     if nano_eval is None:
         del config["nano_eval"]
@@ -96,7 +96,21 @@ def evaluate_layouts(rank, world, ckpt_dir: str, layouts: list, tasks: str, batc
         backend = load_native(ckpt_dir, None, tp=tp, pp=pp, dtype="float32", max_length=None, tp_mode=tp_mode)
         out[name] = summarize(backend, tasks, batch_tokens, max_samples)
         out[name]["mixed"] = mixed_batch_scores(backend)
+        out[name]["logits_width"] = _logits_width(backend)
     return out
+
+
+def _logits_width(backend) -> int | None:
+    """Last dim of the logits the backend hands to the scoring core (V/tp: never the gathered vocabulary)."""
+    from nano_eval.engine import Engine
+    from nano_eval.rows import make_batch
+    from nano_eval.tasks.requests import LoglikelihoodRequest
+
+    engine = Engine(backend, progress=False)
+    dataset = engine.prepare_loglikelihood([LoglikelihoodRequest("w", 0, 0, "one two", choice=" three")])
+    rows = [dataset[i] for i in range(len(dataset))]
+    logits = backend.forward(make_batch(rows, engine.pad_id, False))
+    return None if logits is None else logits.shape[-1]
 
 
 WORDS = "one two three four five six seven eight nine ten the cat sat on a mat".split()
@@ -140,3 +154,69 @@ def summarize(backend, tasks, batch_tokens, max_samples, max_batch_size=None):
         }
         for key, tr in results.tasks.items()
     }
+
+
+def _model_for(tokenizer_dir: str, run_dir: str, tp: int, model: dict | None = None):
+    """A freshly initialised real Llama at tp x 1 x (world / tp), wrapped in the nanotron backend."""
+    import torch
+    from tests.nanotron_cpu import install
+
+    install()
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+    from transformers import AutoTokenizer
+
+    from nano_eval.backends.nanotron import NanotronModel
+    from nano_eval.compat.nanotron import cpu_parallel_context
+    from nano_eval.training.nanotron import load_config
+
+    path = write_config(Path(run_dir) / f"model_rank{dist.get_rank()}.yaml", tokenizer_dir, Path(run_dir), model=model)
+    config = load_config(path)
+    pc = cpu_parallel_context(tp=tp, pp=1, dp=dist.get_world_size() // tp)
+    llama = build_llama(pc, config)
+    torch.manual_seed(0)
+    llama.init_model_randomly(config=config)
+    return NanotronModel(llama, pc, AutoTokenizer.from_pretrained(tokenizer_dir),
+                         max_length=config.model.model_config.max_position_embeddings)
+
+
+def peak_scoring_memory_mb(rank, world, tp, vocab, tokenizer_dir, run_dir):
+    """Rise of this rank's peak resident memory (MiB) while scoring 8 x 255 positions with a `vocab`-sized head."""
+    import resource
+
+    from nano_eval.engine import Engine
+    from nano_eval.tasks.requests import LoglikelihoodRequest
+
+    backend = _model_for(tokenizer_dir, run_dir, tp, dict(vocab_size=vocab, hidden_size=32, intermediate_size=64,
+                                                          num_hidden_layers=1, max_position_embeddings=256))
+    engine = Engine(backend, progress=False)
+    text = "one two three four five six seven eight nine ten " * 24
+    requests = [LoglikelihoodRequest("t", i, 0, "", choice=text) for i in range(8)]  # every position is scored
+    dataset = engine.prepare_loglikelihood(requests)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    engine.run_loglikelihood(dataset)
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+
+
+def evaluate_with_failing_rank(rank, world, tokenizer_dir, run_dir, failing_rank=1):
+    """TP2: `failing_rank`'s forward raises on its second batch. Returns (outcome, seconds) on every rank, so the
+    test sees how each rank ended instead of the harness killing the survivors."""
+    import time
+
+    backend = _model_for(tokenizer_dir, run_dir, tp=world)
+    if rank == failing_rank:
+        calls, forward = [], backend.forward
+
+        def broken_forward(batch):  # test-only fault injection inside evaluation
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("injected failure")
+            return forward(batch)
+
+        backend.forward = broken_forward
+    start = time.monotonic()
+    try:
+        summarize(backend, "demo|arithmetic|0", batch_tokens=64, max_samples=12)
+        return "finished", time.monotonic() - start
+    except Exception as e:  # noqa: BLE001 - the outcome is what the test checks
+        return f"{type(e).__name__}: {e}", time.monotonic() - start

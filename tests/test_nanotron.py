@@ -17,6 +17,7 @@ import pytest
 pytest.importorskip("nanotron")
 
 from tests.dist_utils import run_distributed  # noqa: E402
+from tests.nanotron_worker import VOCAB  # noqa: E402
 from tests.nanotron_worker import (  # noqa: E402
     evaluate_layouts, make_checkpoint, mixed_batch_scores, summarize, write_config)
 
@@ -55,7 +56,10 @@ def reference(checkpoint):
 
 def _evaluate(world, checkpoint, layouts):
     per_rank = run_distributed(evaluate_layouts, world, str(checkpoint), layouts, TASKS, 256, SAMPLES, timeout=600)
+    widths = {name: {r[name].pop("logits_width") for r in per_rank} - {None} for name, *_ in layouts}
     assert all(r == per_rank[0] for r in per_rank), "ranks disagree on the results"
+    for name in widths:
+        per_rank[0][name]["logits_widths"] = widths[name]
     return per_rank[0]
 
 
@@ -65,7 +69,7 @@ def layouts(checkpoint):
 
 
 def assert_same_scores(got, ref, what):
-    assert set(got) == set(ref)
+    assert set(got) - {"logits_widths"} == set(ref)
     mixed, mixed_ref = got["mixed"], ref["mixed"]
     worst = max(abs(a[0] - b[0]) for a, b in zip(mixed["logprobs"], mixed_ref["logprobs"], strict=True))
     assert worst < 1e-5, f"{what}: log-probs of requests batched with others of other lengths differ by {worst:.2e}"
@@ -86,6 +90,8 @@ def assert_same_scores(got, ref, what):
 @pytest.mark.parametrize("layout", [name for name, *_ in LAYOUTS])
 def test_layout_scores_equal_the_transformers_conversion(layouts, reference, layout):
     assert_same_scores(layouts[layout], reference, layout)
+    tp = next(tp for name, tp, *_ in LAYOUTS if name == layout)
+    assert layouts[layout]["logits_widths"] == {VOCAB // tp}  # V/tp logits on the last stage, nothing elsewhere
 
 
 @pytest.mark.slow
@@ -101,3 +107,35 @@ def test_the_model_is_opinionated(reference):
     assert max(spread) > 0.5
     assert len({round(lp[0], 3) for lp in reference["mixed"]["logprobs"]}) > 6
     assert all(p and p[0] for p in reference["demo|arithmetic_gen|0"]["predictions"])
+
+
+def _peak(rank, world, tp, tokenizer_dir, run_dir):
+    from tests.nanotron_worker import peak_scoring_memory_mb
+
+    return peak_scoring_memory_mb(rank, world, tp, 65536, tokenizer_dir, run_dir)
+
+
+@pytest.mark.slow
+def test_peak_scoring_memory_follows_vocab_over_tp(toy_checkpoint, tmp_path):
+    """Logits for 8 x 255 positions over a 65536-token vocabulary: about 512 MiB in fp32 at TP1. Each TP rank
+    must hold only its V/tp slice; gathering the full vocabulary would keep the peak at the TP1 level."""
+    tp1 = run_distributed(_peak, 1, 1, str(toy_checkpoint), str(tmp_path))[0]
+    tp2 = max(run_distributed(_peak, 2, 2, str(toy_checkpoint), str(tmp_path)))
+    assert tp1 > 400
+    assert tp2 < 0.65 * tp1, f"peak rise per rank: TP1 {tp1:.0f} MiB, TP2 {tp2:.0f} MiB"
+
+
+def _failing(rank, world, tokenizer_dir, run_dir):
+    from tests.nanotron_worker import evaluate_with_failing_rank
+
+    return evaluate_with_failing_rank(rank, world, tokenizer_dir, run_dir)
+
+
+@pytest.mark.slow
+def test_a_rank_that_raises_mid_evaluation_stops_its_peers_in_bounded_time(toy_checkpoint, tmp_path):
+    """Rank 1 raises between TP collectives; rank 0, waiting in a TP all-reduce for it, must fail too (the peer's
+    connection closes, or the process-group timeout fires) instead of hanging."""
+    (outcome0, t0), (outcome1, t1) = run_distributed(_failing, 2, str(toy_checkpoint), str(tmp_path), pg_timeout_s=20,
+                                                     timeout=180)
+    assert outcome1 == "RuntimeError: injected failure"
+    assert outcome0 != "finished" and t0 < 60, (outcome0, t0)

@@ -188,3 +188,20 @@ def test_other_layouts_train_evaluate_and_match_their_checkpoint(tmp_path, toy_c
         worst = check_live_equals_posthoc(live, saved, rel=1e-6)
         print(f"{layout} live vs {'--backend nanotron' if native else 'HF conversion'} at step {SAVE_AT}: "
               f"max rel diff {worst:.1e}")
+
+
+def test_the_trainers_tp2_checkpoint_is_sharded_as_nanotron_writes_it(tp2):
+    """What the readers above rely on: one safetensors file per TP shard with its slice metadata (under numpy 2,
+    shapes as numpy scalar reprs, which nano_eval.compat teaches load_weights to read), replicated weights once."""
+    from safetensors import safe_open
+
+    ckpt = tp2["with"] / "checkpoints" / str(SAVE_AT)
+    assert (ckpt / "checkpoint_metadata.json").is_file() and "nano_eval" in yaml.safe_load((ckpt / "config.yaml").read_text())
+    qkv = ckpt / "model" / "model" / "decoder" / "0" / "pp_block" / "attn" / "qkv_proj"
+    shards = sorted(p.name for p in qkv.iterdir())
+    assert shards == [f"model_weight_pp-rank-0-of-1_tp-rank-{r}-of-2.safetensors" for r in (0, 1)]
+    with safe_open(qkv / shards[1], framework="pt") as f:
+        assert f.get_tensor("data").shape == (64, 64)  # (q + k + v rows = 64 + 32 + 32) / tp
+        assert f.metadata()["unsharded_shape"].replace("np.int64(128)", "128") == "(128, 64)"
+    norm = ckpt / "model" / "model" / "decoder" / "0" / "pp_block" / "input_layernorm"
+    assert sorted(p.name for p in norm.iterdir()) == ["model_weight.safetensors"]
