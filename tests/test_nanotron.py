@@ -139,3 +139,19 @@ def test_a_rank_that_raises_mid_evaluation_stops_its_peers_in_bounded_time(toy_c
                                                      timeout=180)
     assert outcome1 == "RuntimeError: injected failure"
     assert outcome0 != "finished" and t0 < 60, (outcome0, t0)
+
+
+def test_rotary_layout_is_read_from_the_model_config(checkpoint):
+    """nanotron main records `rope_interleaved`; 0.4 writes none and is interleaved. Only `false` skips the q/k
+    permutation, and it changes the model (so the flag is honoured, and the default is the tested layout above)."""
+    import torch
+
+    from nano_eval.checkpoints.nanotron import load_nanotron_llama_as_hf, read_model_config
+
+    config = read_model_config(checkpoint)
+    assert "rope_interleaved" not in config  # nanotron 0.4
+    ids = torch.arange(1, 17)[None]
+    logits = {flag: load_nanotron_llama_as_hf(checkpoint, {**config, "rope_interleaved": flag})(ids).logits
+              for flag in (True, False)}
+    assert torch.equal(load_nanotron_llama_as_hf(checkpoint)(ids).logits, logits[True])
+    assert (logits[True] - logits[False]).abs().max() > 1e-2
