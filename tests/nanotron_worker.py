@@ -81,15 +81,22 @@ def make_checkpoint(rank, world, config_path: str, ckpt_dir: str, seed: int = 0)
         shutil.copy(config_path, Path(ckpt_dir) / "config.yaml")
 
 
-def evaluate_layouts(rank, world, ckpt_dir: str, layouts: list, tasks: str, batch_tokens: int, max_samples: int):
+def evaluate_layouts(rank, world, ckpt_dir: str, layouts: list, tasks: str, batch_tokens: int, max_samples: int,
+                     make_from_config: str | None = None):
     """For each (name, tp, pp, tp_mode): build the model in that layout (dp = world / (tp x pp)) exactly as
-    `run.py --backend nanotron` does, load the checkpoint, evaluate; returns {name: summary}."""
+    `run.py --backend nanotron` does, load the checkpoint, evaluate; returns {name: summary}. With
+    `make_from_config`, first write the checkpoint (make_checkpoint, TP1 x DP-world) in this same world."""
     import torch
+    import torch.distributed as dist
     from tests.nanotron_cpu import install
 
     install()
     torch.set_num_threads(1)
     from nano_eval.checkpoints.nanotron import load_native
+
+    if make_from_config:
+        make_checkpoint(rank, world, make_from_config, ckpt_dir)
+        dist.barrier()  # every shard and config.yaml on disk before anyone loads
 
     out = {}
     for name, tp, pp, tp_mode in layouts:

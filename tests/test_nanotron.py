@@ -18,8 +18,7 @@ pytest.importorskip("nanotron")
 
 from tests.dist_utils import run_distributed  # noqa: E402
 from tests.nanotron_worker import VOCAB  # noqa: E402
-from tests.nanotron_worker import (  # noqa: E402
-    evaluate_layouts, make_checkpoint, mixed_batch_scores, summarize, write_config)
+from tests.nanotron_worker import evaluate_layouts, mixed_batch_scores, summarize, write_config  # noqa: E402
 
 TASKS = "demo|arithmetic|0,demo|arithmetic_ppl|0,demo|arithmetic_gen|0"
 EXACT = ("acc", "acc_norm", "acc_norm_token", "acc_norm_pmi", "exact_match", "quasi_exact_match")
@@ -30,13 +29,23 @@ SAMPLES = 8
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory, toy_checkpoint):
+def made(tmp_path_factory, toy_checkpoint):
+    """The checkpoint (nanotron's init + save_weights) and the 2-process layouts, in ONE spawned world."""
     tmp = tmp_path_factory.mktemp("nanotron_real")
     config = write_config(tmp / "train.yaml", str(toy_checkpoint), tmp,
                           nano_eval={"tasks": TASKS, "interval": 5})  # the section a run with evaluation saves
     ckpt = tmp / "checkpoint"
-    run_distributed(make_checkpoint, 1, str(config), str(ckpt), timeout=120)
-    return ckpt
+    return ckpt, _evaluate(2, ckpt, LAYOUTS, make_from_config=str(config))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(made):
+    return made[0]
+
+
+@pytest.fixture(scope="module")
+def layouts(made):
+    return made[1]
 
 
 @pytest.fixture(scope="module")
@@ -54,18 +63,14 @@ def reference(checkpoint):
     return out
 
 
-def _evaluate(world, checkpoint, layouts):
-    per_rank = run_distributed(evaluate_layouts, world, str(checkpoint), layouts, TASKS, 256, SAMPLES, timeout=600)
+def _evaluate(world, checkpoint, layouts, make_from_config=None):
+    per_rank = run_distributed(evaluate_layouts, world, str(checkpoint), layouts, TASKS, 256, SAMPLES, make_from_config,
+                               timeout=600)
     widths = {name: {r[name].pop("logits_width") for r in per_rank} - {None} for name, *_ in layouts}
     assert all(r == per_rank[0] for r in per_rank), "ranks disagree on the results"
     for name in widths:
         per_rank[0][name]["logits_widths"] = widths[name]
     return per_rank[0]
-
-
-@pytest.fixture(scope="module")
-def layouts(checkpoint):
-    return _evaluate(2, checkpoint, LAYOUTS)
 
 
 def assert_same_scores(got, ref, what):
