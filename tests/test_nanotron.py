@@ -100,10 +100,13 @@ def test_layout_scores_equal_the_transformers_conversion(layouts, reference, lay
 
 
 @pytest.mark.slow
-def test_four_process_layouts_score_equal_the_transformers_conversion(checkpoint, reference):
-    got = _evaluate(4, checkpoint, SLOW_LAYOUTS)
-    for name, *_ in SLOW_LAYOUTS:
+@pytest.mark.parametrize("world, layouts", [(4, SLOW_LAYOUTS), (8, [("dp2xtp2xpp2", 2, 2, "REDUCE_SCATTER")])],
+                         ids=["4-processes", "8-processes"])
+def test_more_layouts_score_equal_the_transformers_conversion(checkpoint, reference, world, layouts):
+    got = _evaluate(world, checkpoint, layouts)
+    for name, tp, *_ in layouts:
         assert_same_scores(got[name], reference, name)
+        assert got[name]["logits_widths"] == {VOCAB // tp}
 
 
 def test_the_model_is_opinionated(reference):
