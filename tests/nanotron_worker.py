@@ -1,32 +1,147 @@
-"""Code that runs inside each spawned rank of the nanotron tests."""
+"""Code that runs inside spawned ranks of the nanotron tests: nanotron 0.4's REAL LlamaForTraining on CPU/gloo.
+
+Every function that builds a nanotron model first calls tests.nanotron_cpu.install() (the flash-attn test
+double and CPU patches; see that module). Models come from nanotron's own `build_model`, weights from its own
+`init_model_randomly` / `save_weights` / `load_weights`; the backend under test is nano_eval's NanotronModel as
+`run.py --backend nanotron` builds it (nano_eval.checkpoints.nanotron.load_native).
+"""
+
+from __future__ import annotations
 
 from pathlib import Path
 
-VOCAB = 544  # >= the toy tokenizer's 537 tokens, divisible by every TP degree tested
+import yaml
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "nanotron_eval.yaml"
+VOCAB = 544  # >= the toy tokenizer's 537 tokens, divisible by every TP degree tested (`model=` may override)
+INIT_STD = 0.15  # a random model with opinions: wrong attention offsets move scores far beyond 1e-5
 
 
-def evaluate_layout(rank, world, tp, pp, dp, tokenizer_dir, tasks, batch_tokens=256, max_samples=16, qwen_style=False):
-    """Build the toy nanotron model in a tp x pp x dp layout and evaluate `tasks`; returns a summary per task."""
+def write_config(path: Path, tokenizer_dir: str, run_dir: Path, *, tp=1, pp=1, dp=1, nano_eval: dict | None = None,
+                 model: dict | None = None, **tokens) -> Path:
+    """A nanotron training YAML (examples/nanotron_eval.yaml, tiny Llama: hidden 64, 2 layers, 4 heads, 2 kv heads)
+    with its paths under `run_dir`; `nano_eval=None` drops the evaluation section; `model` overrides model_config."""
+    config = yaml.safe_load(EXAMPLE.read_text())
+    config["tokenizer"]["tokenizer_name_or_path"] = str(tokenizer_dir)
+    config["checkpoints"]["checkpoints_path"] = str(run_dir / "checkpoints")
+    config["parallelism"].update(tp=tp, pp=pp, dp=dp)
+    config["model"]["init_method"]["std"] = INIT_STD
+    config["model"]["model_config"].update({"vocab_size": VOCAB, **(model or {})})
+    config["tokens"].update(tokens)
+    if nano_eval is None:
+        del config["nano_eval"]
+    else:
+        config["nano_eval"] = nano_eval
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def build_llama(pc, config, tp_mode: str = "ALL_REDUCE"):
+    """nanotron's LlamaForTraining in `pc`'s layout, built by nanotron's build_model (CPU, fp32)."""
+    import torch
+    from nanotron.config import ParallelismArgs
+    from nanotron.models import build_model
+    from nanotron.models.llama import LlamaForTraining
+    from nanotron.parallel.tensor_parallel.enum import TensorParallelLinearMode
+    from nanotron.trainer import mark_tied_parameters
+
+    parallel = ParallelismArgs(dp=pc.dp_pg.size(), pp=pc.pp_pg.size(), tp=pc.tp_pg.size(),
+                               tp_mode=TensorParallelLinearMode[tp_mode], tp_linear_async_communication=False)
+    model = build_model(
+        model_builder=lambda: LlamaForTraining(config=config.model.model_config, parallel_context=pc,
+                                               parallel_config=parallel, random_states=None),
+        parallel_context=pc, dtype=torch.float32, device=torch.device("cpu"))
+    mark_tied_parameters(model=model, parallel_context=pc, parallel_config=parallel)
+    return model
+
+
+def make_checkpoint(rank, world, config_path: str, ckpt_dir: str, seed: int = 0):
+    """Initialise the model with nanotron's init_model_randomly (TP1, seeded) and save it as nanotron's trainer
+    does: model/ shards, checkpoint_metadata.json, and the run's config.yaml (with its `nano_eval:` section)."""
+    import shutil
+
+    import torch
+    from tests.nanotron_cpu import install
+
+    install()
+    from nanotron.serialize import save_weights
+    from nanotron.serialize.metadata import save_meta
+
     from nano_eval.compat.nanotron import cpu_parallel_context
-    from tests.toy_nanotron import ToyConfig, build_toy_nanotron_model
+    from nano_eval.training.nanotron import load_config
 
-    pc = cpu_parallel_context(tp=tp, pp=pp, dp=dp)
-    cfg = ToyConfig(vocab_size=VOCAB, position_ids_input=qwen_style)
-    model = build_toy_nanotron_model(pc, cfg)
-    return evaluate_model(model, pc, cfg, tokenizer_dir, tasks, batch_tokens=batch_tokens, max_samples=max_samples)
-
-
-def evaluate_model(model, pc, cfg, tokenizer_dir, tasks, batch_tokens=256, max_samples=16):
-    """Evaluate `tasks` on a built nanotron `model` with the NanotronModel backend; returns a summary per task."""
-    from transformers import AutoTokenizer
-
-    from nano_eval.backends.nanotron import NanotronModel
-
-    backend = NanotronModel(model, pc, AutoTokenizer.from_pretrained(tokenizer_dir), max_length=cfg.max_position_embeddings)
-    return summarize(backend, tasks, batch_tokens, max_samples)
+    config = load_config(config_path)
+    pc = cpu_parallel_context(tp=1, pp=1, dp=world)
+    model = build_llama(pc, config)
+    torch.manual_seed(seed)
+    model.init_model_randomly(config=config)
+    save_weights(model, pc, Path(ckpt_dir))
+    save_meta(pc, Path(ckpt_dir), {"last_train_step": 0, "consumed_train_samples": 0})
+    if rank == 0:
+        shutil.copy(config_path, Path(ckpt_dir) / "config.yaml")
 
 
-def summarize(backend, tasks, batch_tokens, max_samples):
+def evaluate_layouts(rank, world, ckpt_dir: str, layouts: list, tasks: str, batch_tokens: int, max_samples: int,
+                     make_from_config: str | None = None):
+    """For each (name, tp, pp, tp_mode): build the model in that layout (dp = world / (tp x pp)) exactly as
+    `run.py --backend nanotron` does, load the checkpoint, evaluate; returns {name: summary}. With
+    `make_from_config`, first write the checkpoint (make_checkpoint, TP1 x DP-world) in this same world."""
+    import torch
+    import torch.distributed as dist
+    from tests.nanotron_cpu import install
+
+    install()
+    torch.set_num_threads(1)
+    from nano_eval.checkpoints.nanotron import load_native
+
+    if make_from_config:
+        make_checkpoint(rank, world, make_from_config, ckpt_dir)
+        dist.barrier()  # every shard and config.yaml on disk before anyone loads
+
+    out = {}
+    for name, tp, pp, tp_mode in layouts:
+        backend = load_native(ckpt_dir, None, tp=tp, pp=pp, dtype="float32", max_length=None, tp_mode=tp_mode)
+        out[name] = summarize(backend, tasks, batch_tokens, max_samples)
+        out[name]["mixed"] = mixed_batch_scores(backend)
+        out[name]["logits_width"] = _logits_width(backend)
+    return out
+
+
+def _logits_width(backend) -> int | None:
+    """Last dim of the logits the backend hands to the scoring core (V/tp: never the gathered vocabulary)."""
+    from nano_eval.engine import Engine
+    from nano_eval.rows import make_batch
+    from nano_eval.tasks.requests import LoglikelihoodRequest
+
+    engine = Engine(backend, progress=False)
+    dataset = engine.prepare_loglikelihood([LoglikelihoodRequest("w", 0, 0, "one two", choice=" three")])
+    rows = [dataset[i] for i in range(len(dataset))]
+    logits = backend.forward(make_batch(rows, engine.pad_id, False))
+    return None if logits is None else logits.shape[-1]
+
+
+WORDS = "one two three four five six seven eight nine ten the cat sat on a mat".split()
+
+
+def mixed_batch_scores(backend) -> dict:
+    """Requests whose rows have 3 to 40 tokens, scored in ONE padded batch per request type: per-request log-probs
+    and is-greedy flags, and greedy generations (prompts of different lengths, decoded together)."""
+    from nano_eval.engine import BatchingConfig, Engine
+    from nano_eval.tasks.requests import GreedyUntilRequest, LoglikelihoodRequest
+
+    engine = Engine(backend, BatchingConfig(max_batch_tokens=100_000), progress=False)
+    texts = [" ".join(WORDS[(3 * i) % 7:][: 2 + (7 * i) % 13] * (1 + i % 3)) for i in range(12)]
+    ll = [LoglikelihoodRequest("mixed", i, 0, text, choice=" " + WORDS[i % len(WORDS)] + " " + WORDS[(i * 5) % 16])
+          for i, text in enumerate(texts)]
+    scores = engine.run_loglikelihood(engine.prepare_loglikelihood(ll))
+    gen = [GreedyUntilRequest("mixed_gen", i, 0, text, stop_sequence=[], generation_size=6)
+           for i, text in enumerate(texts[:6])]
+    generations = engine.run_greedy(engine.prepare_greedy(gen))
+    return {"logprobs": [[scores[r.key].logprob] for r in ll], "is_greedy": [scores[r.key].is_greedy for r in ll],
+            "generations": [generations[r.key].tokens for r in gen]}
+
+
+def summarize(backend, tasks, batch_tokens, max_samples, max_batch_size=None):
     """Evaluate `tasks` with any backend: metrics, per-document log-probs and predictions per task."""
     from nano_eval.engine import BatchingConfig
     from nano_eval.evaluator import EvalConfig, Evaluator
@@ -35,7 +150,8 @@ def summarize(backend, tasks, batch_tokens, max_samples):
     registry = Registry()
     specs = registry.parse_specs(tasks)
     task_dict = registry.get_task_dict(specs)
-    config = EvalConfig(max_samples=max_samples, batching=BatchingConfig(max_batch_tokens=batch_tokens), progress=False)
+    batching = BatchingConfig(max_batch_tokens=batch_tokens, **({"max_batch_size": max_batch_size} if max_batch_size else {}))
+    config = EvalConfig(max_samples=max_samples, batching=batching, progress=False)
     results = Evaluator(backend, [(s, task_dict[s.full_name]) for s in specs], config).evaluate()
     return {
         key: {
@@ -47,22 +163,39 @@ def summarize(backend, tasks, batch_tokens, max_samples):
     }
 
 
-def peak_scoring_memory_mb(rank, world, tp, vocab, tokenizer_dir):
-    """Rise of this rank's peak resident memory (MiB) while scoring 2048 positions with a `vocab`-sized head."""
-    import resource
+def _model_for(tokenizer_dir: str, run_dir: str, tp: int, model: dict | None = None):
+    """A freshly initialised real Llama at tp x 1 x (world / tp), wrapped in the nanotron backend."""
+    import torch
+    from tests.nanotron_cpu import install
 
+    install()
+    torch.set_num_threads(1)
+    import torch.distributed as dist
     from transformers import AutoTokenizer
 
     from nano_eval.backends.nanotron import NanotronModel
     from nano_eval.compat.nanotron import cpu_parallel_context
+    from nano_eval.training.nanotron import load_config
+
+    path = write_config(Path(run_dir) / f"model_rank{dist.get_rank()}.yaml", tokenizer_dir, Path(run_dir), model=model)
+    config = load_config(path)
+    pc = cpu_parallel_context(tp=tp, pp=1, dp=dist.get_world_size() // tp)
+    llama = build_llama(pc, config)
+    torch.manual_seed(0)
+    llama.init_model_randomly(config=config)
+    return NanotronModel(llama, pc, AutoTokenizer.from_pretrained(tokenizer_dir),
+                         max_length=config.model.model_config.max_position_embeddings)
+
+
+def peak_scoring_memory_mb(rank, world, tp, vocab, tokenizer_dir, run_dir):
+    """Rise of this rank's peak resident memory (MiB) while scoring 8 x 255 positions with a `vocab`-sized head."""
+    import resource
+
     from nano_eval.engine import Engine
     from nano_eval.tasks.requests import LoglikelihoodRequest
-    from tests.toy_nanotron import ToyConfig, build_toy_nanotron_model
 
-    pc = cpu_parallel_context(tp=tp, pp=1, dp=1)
-    cfg = ToyConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=1, max_position_embeddings=256)
-    backend = NanotronModel(build_toy_nanotron_model(pc, cfg), pc, AutoTokenizer.from_pretrained(tokenizer_dir),
-                            max_length=cfg.max_position_embeddings)
+    backend = _model_for(tokenizer_dir, run_dir, tp, dict(vocab_size=vocab, hidden_size=32, intermediate_size=64,
+                                                          num_hidden_layers=1, max_position_embeddings=256))
     engine = Engine(backend, progress=False)
     text = "one two three four five six seven eight nine ten " * 24
     requests = [LoglikelihoodRequest("t", i, 0, "", choice=text) for i in range(8)]  # every position is scored
@@ -72,74 +205,12 @@ def peak_scoring_memory_mb(rank, world, tp, vocab, tokenizer_dir):
     return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
 
 
-def save_and_evaluate_checkpoint(rank, world, tp, pp, dp, ckpt_dir, tokenizer_dir, tasks, save_seed=0, load_seed=1,
-                                 batch_tokens=4096, max_samples=12):
-    """Save the seed-`save_seed` toy model with nanotron's `save_weights` (+ `checkpoint_metadata.json`, as nanotron's
-    trainer writes it), then load it back into a seed-`load_seed` model in the same layout and evaluate that."""
-    import torch.distributed as dist
-
-    from nano_eval.compat.nanotron import cpu_parallel_context, import_nanotron
-    from tests.toy_nanotron import ToyConfig, build_toy_nanotron_model
-
-    import_nanotron()
-    from nanotron.serialize import save_weights
-    from nanotron.serialize.metadata import save_meta
-
-    pc = cpu_parallel_context(tp=tp, pp=pp, dp=dp)
-    cfg = ToyConfig(vocab_size=VOCAB)
-    model = build_toy_nanotron_model(pc, cfg, seed=save_seed)
-    save_weights(model, pc, Path(ckpt_dir))  # under numpy 2 it writes shapes like "(np.int64(192), 64)"
-    save_meta(pc, Path(ckpt_dir), {"last_train_step": 0, "consumed_train_samples": 0})
-    dist.barrier()  # every rank's shards are on disk before anyone reads them
-    return {"loaded": _load_and_evaluate(pc, cfg, ckpt_dir, tokenizer_dir, tasks, load_seed, batch_tokens, max_samples)}
-
-
-def evaluate_checkpoint(rank, world, tp, pp, dp, ckpt_dir, tokenizer_dir, tasks, load_seed=1, reference_seed=None,
-                        batch_tokens=4096, max_samples=12):
-    """Load the checkpoint into a seed-`load_seed` toy model with nanotron's `load_weights` (which reshards TP) and
-    evaluate it. With `reference_seed`, also evaluate the seed-`reference_seed` model built directly and the
-    seed-`load_seed` model before loading (so a load that does nothing is caught)."""
-    from nano_eval.compat.nanotron import cpu_parallel_context
-    from tests.toy_nanotron import ToyConfig, build_toy_nanotron_model
-
-    pc = cpu_parallel_context(tp=tp, pp=pp, dp=dp)
-    cfg = ToyConfig(vocab_size=VOCAB)
-    out = {"loaded": _load_and_evaluate(pc, cfg, ckpt_dir, tokenizer_dir, tasks, load_seed, batch_tokens, max_samples)}
-    if reference_seed is not None:
-        for key, seed in (("reference", reference_seed), ("unloaded", load_seed)):
-            model = build_toy_nanotron_model(pc, cfg, seed=seed)
-            out[key] = evaluate_model(model, pc, cfg, tokenizer_dir, tasks, batch_tokens=batch_tokens,
-                                      max_samples=max_samples)
-    return out
-
-
-def _load_and_evaluate(pc, cfg, ckpt_dir, tokenizer_dir, tasks, seed, batch_tokens, max_samples):
-    from nano_eval.compat.nanotron import import_nanotron
-    from tests.toy_nanotron import build_toy_nanotron_model
-
-    import_nanotron()
-    from nanotron.serialize import load_weights
-
-    model = build_toy_nanotron_model(pc, cfg, seed=seed)
-    load_weights(model, pc, Path(ckpt_dir))
-    return evaluate_model(model, pc, cfg, tokenizer_dir, tasks, batch_tokens=batch_tokens, max_samples=max_samples)
-
-
-def evaluate_with_failing_rank(rank, world, tokenizer_dir, failing_rank=1):
+def evaluate_with_failing_rank(rank, world, tokenizer_dir, run_dir, failing_rank=1):
     """TP2: `failing_rank`'s forward raises on its second batch. Returns (outcome, seconds) on every rank, so the
     test sees how each rank ended instead of the harness killing the survivors."""
     import time
 
-    from transformers import AutoTokenizer
-
-    from nano_eval.backends.nanotron import NanotronModel
-    from nano_eval.compat.nanotron import cpu_parallel_context
-    from tests.toy_nanotron import ToyConfig, build_toy_nanotron_model
-
-    pc = cpu_parallel_context(tp=world, pp=1, dp=1)
-    cfg = ToyConfig(vocab_size=VOCAB)
-    backend = NanotronModel(build_toy_nanotron_model(pc, cfg), pc, AutoTokenizer.from_pretrained(tokenizer_dir),
-                            max_length=cfg.max_position_embeddings)
+    backend = _model_for(tokenizer_dir, run_dir, tp=world)
     if rank == failing_rank:
         calls, forward = [], backend.forward
 

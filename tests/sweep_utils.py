@@ -55,27 +55,31 @@ def train_run_dir(run_dir: Path, *, saves: int = 6, steps_per_save: int = 8) -> 
 
 
 def save_nanotron_run(rank, world, run_dir, tokenizer_dir, steps, seq_len=128):
-    """Inside a 1-rank world: nanotron's own save_weights / save_meta write `run_dir/<step>/` for each step (a toy
-    nanotron Llama seeded with the step, so the checkpoints differ), then latest.txt, as nanotron's trainer does."""
-    import yaml
+    """Inside a 1-rank world: nanotron's own save_weights / save_meta write `run_dir/<step>/` for each step (nanotron's
+    real Llama, initialised with the step as seed, so the checkpoints differ), then latest.txt, as nanotron's trainer
+    does. Needs the CPU test double (tests/nanotron_cpu.py)."""
+    import torch
 
-    from nano_eval.compat.nanotron import cpu_parallel_context, import_nanotron
-    from tests.nanotron_worker import VOCAB
-    from tests.toy_nanotron import ToyConfig, build_toy_nanotron_model
+    from tests.nanotron_cpu import install
 
-    import_nanotron()
+    install()
     from nanotron.serialize import save_weights
     from nanotron.serialize.metadata import save_meta
 
+    from nano_eval.compat.nanotron import cpu_parallel_context
+    from nano_eval.training.nanotron import load_config
+    from tests.nanotron_worker import build_llama, write_config
+
     pc = cpu_parallel_context(tp=1, pp=1, dp=1)
-    cfg = ToyConfig(vocab_size=VOCAB)
     for step in steps:
         ckpt = Path(run_dir) / str(step)
-        config = {"model": {"model_config": cfg.llama_config()}, "tokens": {"sequence_length": seq_len},
-                  "tokenizer": {"tokenizer_name_or_path": str(tokenizer_dir)}}
         ckpt.mkdir(parents=True)
-        (ckpt / "config.yaml").write_text(yaml.safe_dump(config))
-        save_weights(build_toy_nanotron_model(pc, cfg, seed=step), pc, ckpt)
+        config_path = write_config(ckpt / "config.yaml", str(tokenizer_dir), Path(run_dir), sequence_length=seq_len)
+        config = load_config(config_path)
+        model = build_llama(pc, config)
+        torch.manual_seed(step)
+        model.init_model_randomly(config=config)
+        save_weights(model, pc, ckpt)
         save_meta(pc, ckpt, {"last_train_step": step, "consumed_train_samples": step * 4})
         (Path(run_dir) / "latest.txt").write_text(str(step))
     return True

@@ -1,78 +1,165 @@
-"""The nanotron backend in every TP x PP x DP layout equals the single-process reference.
+"""nano_eval's nanotron backend on nanotron 0.4's REAL LlamaForTraining (CPU, gloo, flash-attn test double).
 
-The model is built from nanotron's real parallel modules (TensorParallelEmbedding, column/row linears,
-PipelineBlock + P2P + TensorPointer, vocab-parallel LM head) on real gloo process groups; see tests/toy_nanotron.py.
+One checkpoint, made by nanotron's own init_model_randomly + save_weights, is scored
+- by the transformers backend on its conversion (nano_eval.checkpoints.nanotron.load_nanotron_llama_as_hf): the
+  reference, batched by transformers with its own padding mask;
+- by the nanotron backend in every layout, built as `run.py --backend nanotron` builds it: tp1 (x dp4), tp2,
+  pp2, tp2 x pp2, both TP modes, in one 4-process world; batches mix lengths (batch_tokens 256), so rows are
+  padded, and `mixed_batch_scores` puts rows of 3 to 40 tokens in ONE batch (log-likelihood and generation).
+  Before the fix (all-true mask, right padding) every row after a padded one read the wrong attention offsets
+  and these comparisons failed.
 """
+
+import json
 
 import pytest
 
 pytest.importorskip("nanotron")
 
 from tests.dist_utils import run_distributed  # noqa: E402
-from tests.nanotron_worker import evaluate_layout  # noqa: E402
+from tests.nanotron_worker import VOCAB  # noqa: E402
+from tests.nanotron_worker import evaluate_layouts, mixed_batch_scores, summarize, write_config  # noqa: E402
 
 TASKS = "demo|arithmetic|0,demo|arithmetic_ppl|0,demo|arithmetic_gen|0"
 EXACT = ("acc", "acc_norm", "acc_norm_token", "acc_norm_pmi", "exact_match", "quasi_exact_match")
-
-
-def _evaluate(rank, world, tp, pp, dp, tokenizer_dir, batch_tokens, qwen_style=False):
-    return evaluate_layout(rank, world, tp, pp, dp, tokenizer_dir, TASKS, batch_tokens=batch_tokens, max_samples=12,
-                           qwen_style=qwen_style)
+LAYOUTS = [("tp1xdp2", 1, 1, "ALL_REDUCE"), ("tp2-reduce_scatter", 2, 1, "REDUCE_SCATTER"), ("pp2", 1, 2, "ALL_REDUCE")]
+SLOW_LAYOUTS = [("tp2", 2, 1, "ALL_REDUCE"), ("tp2xpp2", 2, 2, "ALL_REDUCE"), ("tp2xpp2-reduce_scatter", 2, 2, "REDUCE_SCATTER"),
+                ("tp1xdp4", 1, 1, "ALL_REDUCE")]
+SAMPLES = 8
 
 
 @pytest.fixture(scope="module")
-def reference(toy_checkpoint):
-    return run_distributed(_evaluate, 1, 1, 1, 1, str(toy_checkpoint), 100_000)[0]
+def made(tmp_path_factory, toy_checkpoint):
+    """The checkpoint (nanotron's init + save_weights) and the 2-process layouts, in ONE spawned world."""
+    tmp = tmp_path_factory.mktemp("nanotron_real")
+    config = write_config(tmp / "train.yaml", str(toy_checkpoint), tmp,
+                          nano_eval={"tasks": TASKS, "interval": 5})  # the section a run with evaluation saves
+    ckpt = tmp / "checkpoint"
+    return ckpt, _evaluate(2, ckpt, LAYOUTS, make_from_config=str(config))
 
 
-@pytest.mark.parametrize(
-    "tp, pp, dp, qwen_style",
-    [(1, 1, 2, False), (2, 1, 1, False), (1, 2, 1, False), (2, 2, 1, False), (2, 2, 2, False), (2, 2, 1, True)],
-    ids=["dp2", "tp2", "pp2", "tp2xpp2", "dp2xtp2xpp2", "tp2xpp2-position_ids"],
-)
-def test_layout_matches_single_process(reference, toy_checkpoint, tp, pp, dp, qwen_style):
-    """qwen_style: the model takes (input_ids, position_ids) like nanotron main's Qwen2 instead of input_mask."""
-    per_rank = run_distributed(_evaluate, tp * pp * dp, tp, pp, dp, str(toy_checkpoint), 96, qwen_style)
+@pytest.fixture(scope="module")
+def checkpoint(made):
+    return made[0]
+
+
+@pytest.fixture(scope="module")
+def layouts(made):
+    return made[1]
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    """The transformers backend on the converted checkpoint (its config.yaml carries a `nano_eval:` section)."""
+    from transformers import AutoTokenizer
+
+    from nano_eval.backends.transformers import TransformersModel
+    from nano_eval.checkpoints.nanotron import load_nanotron_llama_as_hf, tokenizer_path
+
+    backend = TransformersModel(load_nanotron_llama_as_hf(checkpoint),
+                                AutoTokenizer.from_pretrained(tokenizer_path(str(checkpoint), None)))
+    out = summarize(backend, TASKS, batch_tokens=100_000, max_samples=SAMPLES)
+    out["mixed"] = mixed_batch_scores(backend)
+    return out
+
+
+def _evaluate(world, checkpoint, layouts, make_from_config=None):
+    per_rank = run_distributed(evaluate_layouts, world, str(checkpoint), layouts, TASKS, 256, SAMPLES, make_from_config,
+                               timeout=600)
+    widths = {name: {r[name].pop("logits_width") for r in per_rank} - {None} for name, *_ in layouts}
     assert all(r == per_rank[0] for r in per_rank), "ranks disagree on the results"
-    got = per_rank[0]
-    for key, ref in reference.items():
-        for name, value in ref["metrics"].items():
+    for name in widths:
+        per_rank[0][name]["logits_widths"] = widths[name]
+    return per_rank[0]
+
+
+def assert_same_scores(got, ref, what):
+    assert set(got) - {"logits_widths"} == set(ref)
+    mixed, mixed_ref = got["mixed"], ref["mixed"]
+    worst = max(abs(a[0] - b[0]) for a, b in zip(mixed["logprobs"], mixed_ref["logprobs"], strict=True))
+    assert worst < 1e-5, f"{what}: log-probs of requests batched with others of other lengths differ by {worst:.2e}"
+    assert mixed["is_greedy"] == mixed_ref["is_greedy"] and mixed["generations"] == mixed_ref["generations"], what
+    for key in (k for k in ref if k != "mixed"):
+        for name, value in ref[key]["metrics"].items():
             if name in EXACT:
-                assert got[key]["metrics"][name] == value, (key, name)
+                assert got[key]["metrics"][name] == value, (what, key, name)
             else:
-                assert got[key]["metrics"][name] == pytest.approx(value, rel=1e-6), (key, name)
-        for a, b in zip(ref["logprobs"], got[key]["logprobs"], strict=True):
-            if key.startswith("demo|arithmetic_ppl"):  # a document's total over hundreds of tokens
-                assert b == pytest.approx(a, rel=1e-7)
-            else:
-                assert b == pytest.approx(a, abs=1e-5)
-        assert got[key]["predictions"] == ref["predictions"]
+                assert got[key]["metrics"][name] == pytest.approx(value, rel=1e-6), (what, key, name)
+        worst = max((abs(a - b) / (max(1.0, abs(a)) if "ppl" in key else 1.0)  # ppl: a total over hundreds of tokens
+                    for x, y in zip(ref[key]["logprobs"], got[key]["logprobs"], strict=True)
+                    for a, b in zip(x, y, strict=True)), default=0.0)
+        assert worst < 1e-5, f"{what} {key}: per-request log-probs differ by {worst:.2e}"
+        assert got[key]["predictions"] == ref[key]["predictions"], (what, key)
 
 
-def _peak(rank, world, tp, tokenizer_dir):
+@pytest.mark.parametrize("layout", [name for name, *_ in LAYOUTS])
+def test_layout_scores_equal_the_transformers_conversion(layouts, reference, layout):
+    assert_same_scores(layouts[layout], reference, layout)
+    tp = next(tp for name, tp, *_ in LAYOUTS if name == layout)
+    assert layouts[layout]["logits_widths"] == {VOCAB // tp}  # V/tp logits on the last stage, nothing elsewhere
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world, layouts", [(4, SLOW_LAYOUTS), (8, [("dp2xtp2xpp2", 2, 2, "REDUCE_SCATTER")])],
+                         ids=["4-processes", "8-processes"])
+def test_more_layouts_score_equal_the_transformers_conversion(checkpoint, reference, world, layouts):
+    got = _evaluate(world, checkpoint, layouts)
+    for name, tp, *_ in layouts:
+        assert_same_scores(got[name], reference, name)
+        assert got[name]["logits_widths"] == {VOCAB // tp}
+
+
+def test_the_model_is_opinionated(reference):
+    """The comparison can fail: choices' log-probs are far apart, generations are not all empty."""
+    spread = [max(lp) - min(lp) for lp in reference["demo|arithmetic|0"]["logprobs"]]
+    assert max(spread) > 0.5
+    assert len({round(lp[0], 3) for lp in reference["mixed"]["logprobs"]}) > 6
+    assert all(p and p[0] for p in reference["demo|arithmetic_gen|0"]["predictions"])
+
+
+def _peak(rank, world, tp, tokenizer_dir, run_dir):
     from tests.nanotron_worker import peak_scoring_memory_mb
 
-    return peak_scoring_memory_mb(rank, world, tp, 65536, tokenizer_dir)
+    return peak_scoring_memory_mb(rank, world, tp, 65536, tokenizer_dir, run_dir)
 
 
-def test_peak_scoring_memory_follows_vocab_over_tp(toy_checkpoint):
+@pytest.mark.slow
+def test_peak_scoring_memory_follows_vocab_over_tp(toy_checkpoint, tmp_path):
     """Logits for 8 x 255 positions over a 65536-token vocabulary: about 512 MiB in fp32 at TP1. Each TP rank
     must hold only its V/tp slice; gathering the full vocabulary would keep the peak at the TP1 level."""
-    tp1 = run_distributed(_peak, 1, 1, str(toy_checkpoint))[0]
-    tp2 = max(run_distributed(_peak, 2, 2, str(toy_checkpoint)))
+    tp1 = run_distributed(_peak, 1, 1, str(toy_checkpoint), str(tmp_path))[0]
+    tp2 = max(run_distributed(_peak, 2, 2, str(toy_checkpoint), str(tmp_path)))
     assert tp1 > 400
     assert tp2 < 0.65 * tp1, f"peak rise per rank: TP1 {tp1:.0f} MiB, TP2 {tp2:.0f} MiB"
 
 
-def _failing(rank, world, tokenizer_dir):
+def _failing(rank, world, tokenizer_dir, run_dir):
     from tests.nanotron_worker import evaluate_with_failing_rank
 
-    return evaluate_with_failing_rank(rank, world, tokenizer_dir)
+    return evaluate_with_failing_rank(rank, world, tokenizer_dir, run_dir)
 
 
-def test_a_rank_that_raises_mid_evaluation_stops_its_peers_in_bounded_time(toy_checkpoint):
+@pytest.mark.slow
+def test_a_rank_that_raises_mid_evaluation_stops_its_peers_in_bounded_time(toy_checkpoint, tmp_path):
     """Rank 1 raises between TP collectives; rank 0, waiting in a TP all-reduce for it, must fail too (the peer's
     connection closes, or the process-group timeout fires) instead of hanging."""
-    (outcome0, t0), (outcome1, t1) = run_distributed(_failing, 2, str(toy_checkpoint), pg_timeout_s=20, timeout=120)
+    (outcome0, t0), (outcome1, t1) = run_distributed(_failing, 2, str(toy_checkpoint), str(tmp_path), pg_timeout_s=20,
+                                                     timeout=180)
     assert outcome1 == "RuntimeError: injected failure"
     assert outcome0 != "finished" and t0 < 60, (outcome0, t0)
+
+
+def test_rotary_layout_is_read_from_the_model_config(checkpoint):
+    """nanotron main records `rope_interleaved`; 0.4 writes none and is interleaved. Only `false` skips the q/k
+    permutation, and it changes the model (so the flag is honoured, and the default is the tested layout above)."""
+    import torch
+
+    from nano_eval.checkpoints.nanotron import load_nanotron_llama_as_hf, read_model_config
+
+    config = read_model_config(checkpoint)
+    assert "rope_interleaved" not in config  # nanotron 0.4
+    ids = torch.arange(1, 17)[None]
+    logits = {flag: load_nanotron_llama_as_hf(checkpoint, {**config, "rope_interleaved": flag})(ids).logits
+              for flag in (True, False)}
+    assert torch.equal(load_nanotron_llama_as_hf(checkpoint)(ids).logits, logits[True])
+    assert (logits[True] - logits[False]).abs().max() > 1e-2

@@ -3,6 +3,14 @@
 Inputs enter on the first pipeline stage (other stages pass TensorPointers, as nanotron's own data loader does);
 the model's P2P moves activations between stages; vocab-sharded logits `[S, B, V/tp]` come out of the last
 stage, where we keep only the scored positions. Nothing is rebuilt and no full-vocabulary tensor is gathered.
+
+Padding: batches are right-padded, and the model is given an ALL-TRUE mask with positions 0..S-1. nanotron 0.4's
+Llama training path flattens the padded `[B * S]` states and calls flash-attn's varlen kernel with `cu_seqlens`
+taken from the mask's lengths, so a real padding mask makes every row after a padded one read the wrong
+offsets. With an all-true mask each row is one causal sequence of length S: a real token only sees the tokens
+before it, all real, so its logits are exactly those of the unpadded row (the pad tokens after it cost compute,
+not correctness). Under sequence-parallel TP (`tp_mode: REDUCE_SCATTER`) S must divide by tp: more pad tokens
+are appended at the end, which by the same argument changes nothing.
 """
 
 from __future__ import annotations
@@ -51,6 +59,8 @@ class NanotronModel:
         self.tokenizer, self.max_length = tokenizer, max_length
         self.device = torch.device(device)
         first, last = _stage_ranks(self.forward_module)
+        sequence_parallel = getattr(getattr(self.forward_module, "tp_mode", None), "name", "") == "REDUCE_SCATTER"
+        self.seq_multiple = parallel_context.tp_pg.size() if sequence_parallel else 1
         self.layout = layout_from_parallel_context(parallel_context, first, last, "cuda" if self.device.type == "cuda" else "cpu")
 
     @torch.no_grad()
@@ -61,8 +71,11 @@ class NanotronModel:
         lay = self.layout
         if lay.pp_rank == lay.input_pp_rank:
             input_ids = batch.input_ids.to(self.device)
-            input_mask = batch.attention_mask.to(self.device, dtype=torch.bool)
-            position_ids = (input_mask.long().cumsum(-1) - 1).clamp(min=0)
+            extra = -input_ids.shape[1] % self.seq_multiple
+            if extra:
+                input_ids = torch.nn.functional.pad(input_ids, (0, extra), value=0)
+            input_mask = torch.ones_like(input_ids, dtype=torch.bool)  # see the module docstring: exact, not an approximation
+            position_ids = torch.arange(input_ids.shape[1], device=self.device).expand_as(input_ids)
         else:
             input_ids = input_mask = position_ids = TensorPointer(group_rank=lay.input_pp_rank)
         logits = self.forward_module(**forward_kwargs(self.forward_module, input_ids, input_mask, position_ids))

@@ -2,17 +2,18 @@
 model.
 
 A nanotron checkpoint folder holds `config.yaml` and `model/` (sharded safetensors with their TP/PP layout in the
-file names). nanotron's own model classes need flash-attn on CUDA, so the command line reads Llama checkpoints
+file names). nanotron's own model classes need flash-attn, so by default the command line reads Llama checkpoints
 into transformers' LlamaForCausalLM (`load_as_transformers`): same scores, any machine, any saved layout, and
 neither nanotron nor a process group is needed (shards are merged from the slice metadata nanotron writes into
-every safetensors file). `load_native` builds nanotron's own model in a TP x PP layout instead (GPU only). Inside a
+every safetensors file). `load_native` builds nanotron's own model in a TP x PP layout instead (--backend nanotron). Inside a
 training job, score the live model with nano_eval.backends.nanotron.NanotronModel.
 
 Two things differ from transformers' Llama:
 - fused projections: `qkv_proj` rows are [q | k | v] and `gate_up_proj` rows are [gate | up] (each split across TP
   ranks chunk by chunk; merging by the saved global slices restores the full fused matrix);
-- rotary layout: nanotron trains with interleaved rotary pairs (x[2i], x[2i+1]) (flash-attn `interleaved=True`),
+- rotary layout: nanotron 0.4 trains with interleaved rotary pairs (x[2i], x[2i+1]) (flash-attn `interleaved=True`),
   transformers rotates halves (x[i], x[i + d/2]); permuting each head's q/k rows turns one into the other.
+  nanotron main records the layout as `rope_interleaved` in the model config; when it says false, no permutation.
 """
 
 from __future__ import annotations
@@ -74,8 +75,10 @@ def hf_config_from(model_config: dict):
     )
 
 
-def hf_state_dict(weights: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
-    """Map nanotron Llama names and layouts to transformers' LlamaForCausalLM."""
+def hf_state_dict(weights: dict[str, torch.Tensor], config, rope_interleaved: bool = True) -> dict[str, torch.Tensor]:
+    """Map nanotron Llama names and layouts to transformers' LlamaForCausalLM. `rope_interleaved`: the model
+    config's flag where the nanotron version has one (main); nanotron 0.4 has none and is always interleaved."""
+    rotary = interleaved_to_half_rotary if rope_interleaved else (lambda w, heads: w)
     d = config.hidden_size // config.num_attention_heads
     q_rows, kv_rows = config.num_attention_heads * d, config.num_key_value_heads * d
     out = {
@@ -89,8 +92,8 @@ def hf_state_dict(weights: dict[str, torch.Tensor], config) -> dict[str, torch.T
         q, k, v = weights[src + "attn.qkv_proj.weight"].split([q_rows, kv_rows, kv_rows])
         gate, up = weights[src + "mlp.gate_up_proj.weight"].chunk(2)
         out |= {
-            dst + "self_attn.q_proj.weight": interleaved_to_half_rotary(q, config.num_attention_heads),
-            dst + "self_attn.k_proj.weight": interleaved_to_half_rotary(k, config.num_key_value_heads),
+            dst + "self_attn.q_proj.weight": rotary(q, config.num_attention_heads),
+            dst + "self_attn.k_proj.weight": rotary(k, config.num_key_value_heads),
             dst + "self_attn.v_proj.weight": v,
             dst + "self_attn.o_proj.weight": weights[src + "attn.o_proj.weight"],
             dst + "mlp.gate_proj.weight": gate,
@@ -111,7 +114,8 @@ def load_nanotron_llama_as_hf(checkpoint: str | Path, model_config: dict | None 
         config = hf_config_from(model_config)
     except KeyError as e:
         raise NanoEvalError(f"checkpoint {checkpoint}: config.yaml's model.model_config lacks {e}; is it a Llama?") from e
-    return llama_from_state_dict(config, hf_state_dict(read_nanotron_weights(checkpoint), config), f"checkpoint {checkpoint}")
+    state = hf_state_dict(read_nanotron_weights(checkpoint), config, bool(model_config.get("rope_interleaved", True)))
+    return llama_from_state_dict(config, state, f"checkpoint {checkpoint}")
 
 
 def read_model_config(checkpoint: str | Path) -> dict:
@@ -166,22 +170,22 @@ def missing_requirements() -> list[str]:
     if importlib.util.find_spec("nanotron") is None:
         missing.append("nanotron (pip install 'nano_eval[nanotron]')")
     if importlib.util.find_spec("flash_attn") is None:
-        missing.append("flash-attn (pip install flash-attn)")
-    if not torch.cuda.is_available():
-        missing.append("a CUDA device")
+        missing.append("flash-attn (pip install flash-attn; nanotron's Llama imports it)")
     return missing
 
 
-def load_native(checkpoint: str, tokenizer: str | None, *, tp: int, pp: int, dtype: str, max_length: int | None):
+def load_native(checkpoint: str, tokenizer: str | None, *, tp: int, pp: int, dtype: str, max_length: int | None,
+                tp_mode: str = "ALL_REDUCE"):
     """nanotron's own model class in a tp x pp x dp layout (dp = world / (tp x pp)), weights resharded on load by
-    nanotron's load_weights. Needs torchrun, CUDA and flash-attn. GPU-only: tested in tests/test_gpu.py."""
+    nanotron's load_weights. Needs torchrun and flash-attn; runs on CUDA when there is one. (The test suite runs it
+    on CPU with a flash-attn test double and CPU patches that live in tests/.)"""
     import os
 
     missing = missing_requirements()
     if missing:
         raise NanoEvalError(
-            f"--backend nanotron builds nanotron's own model class, which needs flash-attn on CUDA; this machine "
-            f"lacks: {', '.join(missing)}. Fix: run on a GPU node with those installed, or use --backend transformers "
+            f"--backend nanotron builds nanotron's own model class; this machine lacks: {', '.join(missing)}. "
+            "Fix: install them (flash-attn needs a CUDA machine), or use --backend transformers "
             "(reads the same checkpoint into a transformers Llama; same scores)."
         )
     world = int(os.environ.get("WORLD_SIZE", "0"))
@@ -193,27 +197,34 @@ def load_native(checkpoint: str, tokenizer: str | None, *, tp: int, pp: int, dty
     from transformers import AutoTokenizer
 
     from nano_eval.backends.nanotron import NanotronModel
-    from nano_eval.compat.nanotron import import_nanotron
+    from nano_eval.compat.nanotron import cpu_parallel_context, import_nanotron
+    from nano_eval.training.nanotron import load_config
 
     import_nanotron()
-    from nanotron.config import ParallelismArgs, get_config_from_file
+    from nanotron.config import ParallelismArgs
     from nanotron.models import build_model
     from nanotron.parallel import ParallelContext
     from nanotron.parallel.tensor_parallel.enum import TensorParallelLinearMode
     from nanotron.serialize import load_weights
     from nanotron.trainer import CONFIG_TO_MODEL_CLASS, mark_tied_parameters
 
-    model_config = get_config_from_file(str(Path(checkpoint) / "config.yaml")).model.model_config
-    parallel = ParallelismArgs(dp=world // (tp * pp), pp=pp, tp=tp, tp_mode=TensorParallelLinearMode.ALL_REDUCE,
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    # nanotron's parser, widened to accept the `nano_eval:` section a training run with evaluation saves
+    model_config = load_config(str(Path(checkpoint) / "config.yaml")).model.model_config
+    dp = world // (tp * pp)
+    parallel = ParallelismArgs(dp=dp, pp=pp, tp=tp, tp_mode=TensorParallelLinearMode[tp_mode],
                                tp_linear_async_communication=False)
-    pc = ParallelContext(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=world // (tp * pp))
+    if device.type == "cuda":
+        pc = ParallelContext(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp)
+    else:
+        pc = cpu_parallel_context(tp=tp, pp=pp, dp=dp)
     model_class = CONFIG_TO_MODEL_CLASS[type(model_config).__name__]
     model = build_model(
         model_builder=lambda: model_class(config=model_config, parallel_context=pc, parallel_config=parallel,
                                           random_states=None),
-        parallel_context=pc, dtype=getattr(torch, dtype), device=torch.device("cuda"),
+        parallel_context=pc, dtype=getattr(torch, dtype), device=device,
     )
     mark_tied_parameters(model=model, parallel_context=pc, parallel_config=parallel)
     load_weights(model=model, parallel_context=pc, root_folder=Path(checkpoint))
     tok = AutoTokenizer.from_pretrained(tokenizer_path(checkpoint, tokenizer))
-    return NanotronModel(model, pc, tok, max_length=max_length or model_config.max_position_embeddings, device="cuda")
+    return NanotronModel(model, pc, tok, max_length=max_length or model_config.max_position_embeddings, device=device)

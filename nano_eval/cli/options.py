@@ -86,8 +86,8 @@ def task_specs(text: str) -> str:
 def add_model_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--backend", default="transformers", choices=["transformers", "nanotron"],
-                   help="nanotron: build nanotron's own model in --tp x --pp (GPU + flash-attn); transformers: any "
-                        "machine")
+                   help="nanotron: build nanotron's own model in --tp x --pp under torchrun (needs flash-attn); "
+                        "transformers: any machine")
     g.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel degree (--backend nanotron)")
     g.add_argument("--pp", type=positive_int, default=1, help="pipeline-parallel degree (--backend nanotron)")
     g.add_argument("--tokenizer", default=None,

@@ -157,7 +157,7 @@ def build_hook(trainer, options: NanotronEvalOptions) -> EvalHook:
 
 
 def trainer_class():
-    """`DistributedTrainer` with evaluation (imports nanotron's trainer, which needs flash-attn and CUDA)."""
+    """`DistributedTrainer` with evaluation (imports nanotron's trainer, which imports flash-attn)."""
     from nano_eval.compat.nanotron import import_nanotron
 
     import_nanotron()
