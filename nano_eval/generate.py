@@ -1,14 +1,17 @@
-"""Greedy decoding: re-run the whole prompt (plus what was generated) for every new token.
+"""Greedy decoding, one batch of prompts at a time.
 
-No KV cache: each step is one ordinary forward of prompt-only rows (nano_eval.rows.last_position_row), so it
-works on every backend and every TP/PP layout. The argmax comes from the vocab-sharded logits on the output
-pipeline stage and is broadcast to every rank of the replica, so all ranks agree on when to stop.
+A backend with `incremental_decoder()` (the transformers backend) runs each prompt once and then one token per row
+per step from its KV cache: the cost grows with prompt + answer length. Any other backend re-runs the whole prompt
+(plus what was generated) for every new token, one ordinary forward of prompt-only rows
+(nano_eval.rows.last_position_row), which works on every backend and every TP/PP layout but costs prompt x answer.
+Either way the argmax comes from the vocab-sharded logits on the output pipeline stage and is broadcast to every
+rank of the replica, so all ranks agree on when to stop.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Collection, Sequence
+from typing import Callable, Collection, Protocol, Sequence
 
 import torch
 
@@ -26,6 +29,18 @@ class GenerationResult:
     truncated: int
 
 
+class IncrementalDecoder(Protocol):
+    """What a backend returns from `incremental_decoder()`: decoding state for one batch of prompts."""
+
+    def prefill(self, prompts: list[list[int]], pad_id: int) -> torch.Tensor | None:
+        """Logits [B, V/tp] at each prompt's last token (on the output stage; None elsewhere)."""
+        ...
+
+    def extend(self, keep: list[int], next_ids: list[int]) -> torch.Tensor | None:
+        """Keep rows `keep` (in order), append next_ids[k] to row keep[k]; logits [len(keep), V/tp] at them."""
+        ...
+
+
 def greedy_decode(backend: Backend, rows: Sequence[Row], pad_id: int, eos_ids: Collection[int],
                   vocab_shard: Callable[[torch.Tensor], VocabShard]) -> dict:
     """{request key: GenerationResult} for generation rows that share one `Generation` (max_new_tokens, stop).
@@ -39,24 +54,29 @@ def greedy_decode(backend: Backend, rows: Sequence[Row], pad_id: int, eos_ids: C
     prompts = [row.segments[0] for row in rows]  # prompt tokens in .context, key and truncation in .choices[0]
     max_new, stops = rows[0].generation.max_new_tokens, rows[0].generation.stop
     generated: list[list[int]] = [[] for _ in rows]
-    active = list(range(len(rows)))
-    for _ in range(max_new):
-        step_rows = [last_position_row(None, prompts[i].context + generated[i]) for i in active]
-        logits = backend.forward(make_batch(step_rows, pad_id, with_mask=False))
+    active = list(range(len(rows)))  # rows still generating, in the decoder's row order
+    decoder = backend.incremental_decoder() if hasattr(backend, "incremental_decoder") else None
+    logits = decoder.prefill([p.context for p in prompts], pad_id) if decoder is not None else None
+    for step in range(max_new):
+        if decoder is None:
+            step_rows = [last_position_row(None, prompts[i].context + generated[i]) for i in active]
+            logits = backend.forward(make_batch(step_rows, pad_id, with_mask=False))
         next_ids = torch.zeros(len(active), dtype=torch.int64, device=layout.device)
         if logits is not None:
             next_ids = argmax_tokens(logits, vocab_shard(logits)).to(next_ids.device)
         next_ids = broadcast_tensor_from_output_stage(next_ids, layout).tolist()
-        still = []
-        for i, t in zip(active, next_ids):
+        keep = []  # positions in `active` of the rows that go on
+        for k, (i, t) in enumerate(zip(active, next_ids)):
             if t in eos_ids:
                 continue
             generated[i].append(t)
             if not _hit_stop(tok.decode(generated[i], skip_special_tokens=True), stops):
-                still.append(i)
-        active = still
-        if not active:
+                keep.append(k)
+        if not keep or step + 1 == max_new:
             break
+        if decoder is not None:
+            logits = decoder.extend(keep, [next_ids[k] for k in keep])
+        active = [active[k] for k in keep]
     out = {}
     for prompt, gen in zip(prompts, generated):
         choice = prompt.choices[0]

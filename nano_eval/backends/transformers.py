@@ -6,6 +6,8 @@ through the output projection: the decoder runs once, then `lm_head` sees N hidd
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from nano_eval.backends.base import Batch
@@ -49,6 +51,10 @@ class TransformersModel:
         scored = hidden.flatten(0, 1)[flat]
         return self.model.get_output_embeddings()(scored)[inverse]
 
+    def incremental_decoder(self) -> "CachedDecoder":
+        """Greedy generation from a KV cache: each batch's prompts run once, then one token per row per step."""
+        return CachedDecoder(self)
+
     def _tree_mask(self, batch: Batch) -> torch.Tensor:
         """4D mask from the batch's segment/branch ids: bool for sdpa (True = attend), additive for eager."""
         if not self.supports_packed_rows:
@@ -59,6 +65,58 @@ class TransformersModel:
             return mask
         dtype = next(self.model.parameters()).dtype
         return torch.zeros(mask.shape, dtype=dtype, device=self.device).masked_fill_(~mask, torch.finfo(dtype).min)
+
+
+class CachedDecoder:
+    """Incremental decoding of one batch of prompts with transformers' own KV cache (see nano_eval.generate).
+
+    Prompts are left-padded, so every row's newest token sits in the last column, and position ids count each
+    row's real tokens only (as transformers' `generate` does): each row sees what it would see alone. Rows that
+    finish are dropped from the cache, so they stop costing compute. One process holds the whole model (tp = pp = 1).
+    """
+
+    def __init__(self, backend: TransformersModel):
+        self.backend = backend
+        self.cache = None
+        # transformers renamed `past_key_values` to `cache` (5.x; the old name warns, then goes in 5.40)
+        model = backend.model.get_decoder() if backend._head_only_on_scored else backend.model
+        self._cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self.mask: torch.Tensor | None = None  # [b, S] 1 on real tokens (prompt and generated), 0 on left padding
+
+    def prefill(self, prompts: list[list[int]], pad_id: int) -> torch.Tensor:
+        """Logits [B, V] at each prompt's last token; fills the cache with the prompts."""
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), pad_id, dtype=torch.int64)
+        self.mask = torch.zeros((len(prompts), width), dtype=torch.int64)
+        for r, prompt in enumerate(prompts):
+            ids[r, width - len(prompt):] = torch.tensor(prompt, dtype=torch.int64)
+            self.mask[r, width - len(prompt):] = 1
+        return self._forward(ids)
+
+    def extend(self, keep: list[int], next_ids: list[int]) -> torch.Tensor:
+        """Keep rows `keep` (indices into the current rows, in order), append `next_ids[k]` to row keep[k];
+        logits [len(keep), V] at the appended tokens."""
+        if len(keep) < self.mask.shape[0]:
+            index = torch.tensor(keep, dtype=torch.int64)
+            self.cache.batch_select_indices(index.to(self.backend.device))
+            self.mask = self.mask[index]
+        self.mask = torch.cat([self.mask, torch.ones((len(keep), 1), dtype=torch.int64)], dim=1)
+        return self._forward(torch.tensor(next_ids, dtype=torch.int64)[:, None])
+
+    def _forward(self, new_ids: torch.Tensor) -> torch.Tensor:
+        """Run `new_ids` [b, n] (the last n columns of self.mask) through the model; logits [b, V] at the last one."""
+        backend, device = self.backend, self.backend.device
+        positions = (self.mask.cumsum(dim=1) - 1).clamp(min=0)[:, -new_ids.shape[1]:]
+        inputs = {"input_ids": new_ids.to(device), "attention_mask": self.mask.to(device),
+                  "position_ids": positions.to(device), self._cache_arg: self.cache, "use_cache": True}
+        if backend._head_only_on_scored:
+            out = backend.model.get_decoder()(**inputs)
+            logits = backend.model.get_output_embeddings()(out.last_hidden_state[:, -1])
+        else:
+            out = backend.model(**inputs)
+            logits = out.logits[:, -1]
+        self.cache = getattr(out, self._cache_arg)
+        return logits
 
 
 def _model_max_length(model, tokenizer) -> int:

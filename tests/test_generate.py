@@ -1,0 +1,69 @@
+"""Greedy generation from the KV cache gives exactly what re-running the prompt gives, at prompt + answer cost."""
+
+from __future__ import annotations
+
+import pytest
+
+from nano_eval.engine import BatchingConfig, Engine
+from nano_eval.tasks.requests import GreedyUntilRequest
+
+
+class Recomputing:
+    """The transformers backend without `incremental_decoder`: generation re-runs the whole prompt every step,
+    as it does on backends without a KV cache."""
+
+    def __init__(self, backend):
+        self.inner = backend
+        self.layout, self.tokenizer, self.max_length = backend.layout, backend.tokenizer, backend.max_length
+        self.module, self.supports_packed_rows = backend.module, backend.supports_packed_rows
+
+    def forward(self, batch):
+        return self.inner.forward(batch)
+
+
+def _requests(n: int, generation_size: int, stop=()):
+    prompts = [f"Question: {i % 10} plus {(3 * i) % 10}\nAnswer:" + " think" * (i % 7) for i in range(n)]
+    return [GreedyUntilRequest("t", i, 0, p, stop_sequence=list(stop), generation_size=generation_size)
+            for i, p in enumerate(prompts)]
+
+
+def _generate(backend, requests, **batching):
+    engine = Engine(backend, BatchingConfig(**batching), progress=False)
+    return engine.run_greedy(engine.prepare_greedy(requests))
+
+
+@pytest.mark.parametrize("stop", [(), ("\n\n",), ("plus",)])
+def test_cached_generation_equals_recomputed(toy_backend, stop):
+    """Mixed prompt lengths (left padding), rows finishing at different steps (rows dropped from the cache)."""
+    requests = _requests(24, 40, stop)
+    cached = _generate(toy_backend, requests, max_batch_tokens=400)
+    plain = _generate(Recomputing(toy_backend), requests, max_batch_tokens=400)
+    assert {k: (r.tokens, r.text) for k, r in cached.items()} == {k: (r.tokens, r.text) for k, r in plain.items()}
+    if stop:
+        assert len({len(r.tokens) for r in cached.values()}) > 1  # rows really did finish at different steps
+
+
+def test_batch_size_does_not_change_generations(toy_backend):
+    requests = _requests(12, 30)
+    one = _generate(toy_backend, requests, max_batch_size=1)
+    many = _generate(toy_backend, requests, max_batch_tokens=10_000)
+    assert {k: r.tokens for k, r in one.items()} == {k: r.tokens for k, r in many.items()}
+
+
+def test_cost_grows_with_prompt_plus_answer_not_their_product(toy_backend):
+    """A long prompt and a long answer: the cache runs each prompt once and each answer token once."""
+    long = [GreedyUntilRequest("t", i, 0, "1 plus 2 is 3. " * 12 + f"{i} plus", stop_sequence=[], generation_size=100)
+            for i in range(4)]
+    embedded = []
+    hook = toy_backend.model.get_input_embeddings().register_forward_hook(lambda m, args, out: embedded.append(args[0].numel()))
+    try:
+        cached = _generate(toy_backend, long)
+        cached_tokens, embedded[:] = sum(embedded), []
+        plain = _generate(Recomputing(toy_backend), long)
+        plain_tokens = sum(embedded)
+    finally:
+        hook.remove()
+    assert {k: r.tokens for k, r in cached.items()} == {k: r.tokens for k, r in plain.items()}
+    prompt = max(len(r.tokenized_context) for r in long)
+    assert cached_tokens <= len(long) * (prompt + 100)  # prefill + one token per row per step
+    assert plain_tokens >= 100 * len(long) * prompt  # the prompt again for every new token
