@@ -129,10 +129,19 @@ def build_gpt_chunks(cfg: GPTConfig = GPTConfig(), *, vp: int | None = None, see
     config = transformer_config(cfg, dropout=dropout, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                 virtual_pipeline_model_parallel_size=vp, sequence_parallel=sequence_parallel)
     shard = megatron_shard(logical_weights(cfg, seed), cfg, ps.get_tensor_model_parallel_rank(), tp)
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    if sequence_parallel:  # megatron's torch norm refuses SP; Apex's does not: stand in for it (tests/megatron_cpu.py)
+        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+        from tests.megatron_cpu import local_spec_norm
+
+        norm = local_spec_norm()
+        spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = norm
+        spec = TransformerBlockSubmodules(layer_specs=[spec] * (cfg.num_layers // (pp * (vp or 1))), layer_norm=norm)
     chunks = []
     for v in range(vp or 1):
         stage = {"vp_stage": v} if vp else {}
-        model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        model = GPTModel(config=config, transformer_layer_spec=spec,
                          vocab_size=cfg.vocab_size, max_sequence_length=cfg.max_position_embeddings,
                          pre_process=ps.is_pipeline_first_stage(ignore_virtual=vp is None, **stage),
                          post_process=ps.is_pipeline_last_stage(ignore_virtual=vp is None, **stage),

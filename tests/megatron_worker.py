@@ -7,9 +7,9 @@ from pathlib import Path
 
 TASKS = "demo|arithmetic|0,demo|arithmetic_ppl|0,demo|arithmetic_gen|0"
 MAX_SAMPLES, BATCH_TOKENS, MICRO_BATCH = 12, 512, 4
-# name: (tp, pp, virtual pp); in a world of 4, dp = 4 / (tp x pp)
-LAYOUTS = {"tp2": (2, 1, None), "pp2": (1, 2, None), "tp2xpp2": (2, 2, None), "dp": (1, 1, None),
-           "pp2-interleaved": (1, 2, 2)}
+# name: (tp, pp, virtual pp, sequence parallel); in a world of 4, dp = 4 / (tp x pp)
+LAYOUTS = {"tp2": (2, 1, None, False), "pp2": (1, 2, None, False), "tp2xpp2-sequence-parallel": (2, 2, None, True),
+           "dp": (1, 1, None, False), "pp2-interleaved": (1, 2, 2, False)}
 SAVED = ("tp2", "pp2")  # layouts whose live model is also saved as a torch_dist checkpoint
 ITERATION = 100
 
@@ -61,9 +61,9 @@ def score_layout(name, tokenizer_dir, root: Path) -> dict:
     from tests.megatron_gpt import GPTConfig, build_gpt_chunks, megatron_args
     from tests.nanotron_worker import summarize
 
-    tp, pp, vp = LAYOUTS[name]
+    tp, pp, vp, sp = LAYOUTS[name]
     _setup(tp, pp, vp)
-    chunks = build_gpt_chunks(vp=vp)
+    chunks = build_gpt_chunks(vp=vp, sequence_parallel=sp)
     for chunk in chunks:
         chunk.eval()
     calls = _record_output_layer(chunks)

@@ -2,8 +2,8 @@
 RMSNorm), its schedules, DistributedDataParallel and distributed optimizer, on CPU/gloo.
 
 One world of 4 ranks (the `megatron_world` fixture, tests/megatron_worker.py; CUDA-only calls answered by the test
-double tests/megatron_cpu.py) scores the same weights at tp2 x dp2, pp2 x dp2 (1F1B), tp2 x pp2, dp4 and
-pp2 x vp2 x dp2 (interleaved schedule), saves legacy and torch_dist checkpoints, and trains pp2 x dp2 the way
+double tests/megatron_cpu.py) scores the same weights at tp2 x dp2, pp2 x dp2 (1F1B), tp2 x pp2 with sequence
+parallelism, dp4 and pp2 x vp2 x dp2 (interleaved schedule), saves legacy and torch_dist checkpoints, and trains pp2 x dp2 the way
 Megatron-LM's train() does, with and without the hook. The reference is transformers' LlamaForCausalLM holding the
 same weights (tests/megatron_gpt.py).
 """
@@ -68,7 +68,7 @@ def world(megatron_world):
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_every_layout_scores_like_transformers(world, reference, name):
-    tp, pp, vp = LAYOUTS[name]
+    tp, pp, vp, sp = LAYOUTS[name]
     per_rank = [r[name] for r in world["ranks"]]
     assert per_rank[0]["layout"] == {"world_size": 4, "tp": tp, "pp": pp, "dp": 4 // (tp * pp)}
     assert_same_scores(reference, _single([r["scores"] for r in per_rank], "scores"), name)
@@ -76,13 +76,15 @@ def test_every_layout_scores_like_transformers(world, reference, name):
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_output_layer_computes_scored_positions_only(world, name):
-    """On every rank holding the output layer, each call got [S, B, H] from the model and computed [N, 1, V/tp]
-    logits, N = the scored positions; the backend's hooks are gone afterwards."""
-    tp = LAYOUTS[name][0]
+    """On every rank holding the output layer, each call got [S, B, H] from the model ([S/tp, B, H] under
+    sequence parallelism) and computed [N, 1, V/tp] logits, N = the scored positions; the backend's hooks are gone
+    afterwards."""
+    tp, sp = LAYOUTS[name][0], LAYOUTS[name][3]
     full = scored = 0
     for rank in world["ranks"]:
         assert rank[name]["hooks_left"] == 0
         for (s, b, h), (n, one, v) in rank[name]["output_layer_calls"]:
+            s = s * tp if sp else s
             assert one == 1 and v == 544 // tp and n <= s * b
             full, scored = full + s * b * v, scored + n * v
     print(f"{name}: output layer computed {scored * 4 / 2**20:.2f} MiB of fp32 logits instead of "
