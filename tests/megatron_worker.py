@@ -6,7 +6,7 @@ from argparse import Namespace
 from pathlib import Path
 
 TASKS = "demo|arithmetic|0,demo|arithmetic_ppl|0,demo|arithmetic_gen|0"
-MAX_SAMPLES, BATCH_TOKENS, MICRO_BATCH = 12, 512, 4
+MAX_SAMPLES, BATCH_TOKENS, MICRO_BATCH = 8, 512, 4
 # name: (tp, pp, virtual pp, sequence parallel); in a world of 4, dp = 4 / (tp x pp)
 LAYOUTS = {"tp2": (2, 1, None, False), "pp2": (1, 2, None, False), "tp2xpp2-sequence-parallel": (2, 2, None, True),
            "dp": (1, 1, None, False), "pp2-interleaved": (1, 2, 2, False)}

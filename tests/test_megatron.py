@@ -2,9 +2,9 @@
 RMSNorm), its schedules, DistributedDataParallel and distributed optimizer, on CPU/gloo.
 
 One world of 4 ranks (the `megatron_world` fixture, tests/megatron_worker.py; CUDA-only calls answered by the test
-double tests/megatron_cpu.py) scores the same weights at tp2 x dp2, pp2 x dp2 (1F1B), tp2 x pp2 with sequence
-parallelism, dp4 and pp2 x vp2 x dp2 (interleaved schedule), saves legacy and torch_dist checkpoints, and trains pp2 x dp2 the way
-Megatron-LM's train() does, with and without the hook. The reference is transformers' LlamaForCausalLM holding the
+double tests/megatron_cpu.py) scores the same weights at tp2 x dp2, pp2 x dp2 (1F1B), tp2 x pp2 with
+sequence parallelism, dp4 and pp2 x vp2 x dp2 (interleaved schedule), saves legacy and torch_dist checkpoints,
+and trains pp2 x dp2 the way Megatron-LM's train() does, with and without the hook. The reference is transformers' LlamaForCausalLM holding the
 same weights (tests/megatron_gpt.py).
 """
 

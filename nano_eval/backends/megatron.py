@@ -80,7 +80,8 @@ class MegatronModel:
     @contextmanager
     def _output_layer_on_scored_positions(self):
         """While inside: every output_layer of our chunks computes logits at self._picks only (see the docstring)."""
-        layers = [layer for layer in (getattr(unwrap(c), "output_layer", None) for c in self.chunks) if layer is not None]
+        layers = [getattr(unwrap(c), "output_layer", None) for c in self.chunks]
+        layers = [layer for layer in layers if layer is not None]
         handles = [h for layer in layers for h in (
             layer.register_forward_pre_hook(self._pick_hidden_states, with_kwargs=True),
             layer.register_forward_hook(_restore_sequence_parallel))]
