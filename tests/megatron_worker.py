@@ -1,57 +1,110 @@
-"""Code that runs inside each spawned rank of the Megatron tests (real megatron-core layers on gloo)."""
+"""Code that runs inside each spawned rank of the Megatron tests: megatron-core's real GPTModel, schedules, DDP and
+optimizer on gloo, made to run on a CPU-only torch by the test double tests/megatron_cpu.py."""
 
 import warnings
+from argparse import Namespace
 from pathlib import Path
 
 TASKS = "demo|arithmetic|0,demo|arithmetic_ppl|0,demo|arithmetic_gen|0"
+MAX_SAMPLES, BATCH_TOKENS, MICRO_BATCH = 8, 512, 4
+# name: (tp, pp, virtual pp, sequence parallel); in a world of 4, dp = 4 / (tp x pp)
+LAYOUTS = {"tp2": (2, 1, None, False), "pp2": (1, 2, None, False), "tp2xpp2-sequence-parallel": (2, 2, None, True),
+           "dp": (1, 1, None, False), "pp2-interleaved": (1, 2, 2, False)}
+SAVED = ("tp2", "pp2")  # layouts whose live model is also saved as a torch_dist checkpoint
+ITERATION = 100
 
 
-def _setup(tp: int):
-    warnings.filterwarnings("ignore", module="megatron")  # "Transformer Engine and Apex are not installed", ...
-    from nano_eval.compat.megatron import initialize_cpu_model_parallel
+def _setup(tp: int, pp: int = 1, vp: int | None = None, gloo_groups: bool = False):
+    """The CPU test double, then parallel_state in this layout (replacing any previous one); gloo_groups: the
+    extra gloo groups megatron's optimizer asks for (the default backend already is gloo here)."""
+    for module in ("megatron", "torch.distributed", "tests.megatron_cpu"):  # "Apex is not installed", deprecations
+        warnings.filterwarnings("ignore", module=module)
+    from tests import megatron_cpu
 
-    initialize_cpu_model_parallel(tp=tp)
+    megatron_cpu.install()
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 virtual_pipeline_model_parallel_size=vp, create_gloo_process_groups=gloo_groups)
 
 
-def _backend(tokenizer_dir, seed=0):
+def _tokenizer(tokenizer_dir):
     from transformers import AutoTokenizer
 
+    return AutoTokenizer.from_pretrained(tokenizer_dir)
+
+
+def _record_output_layer(chunks) -> list:
+    """(hidden states given to output_layer by the model [S, B, H], what it computed [N, 1, V/tp]) per call while
+    scoring; registered before the backend's own hook, so it sees the model's hidden states. Empty off the last
+    stage."""
+    from nano_eval.compat.megatron import unwrap
+
+    calls = []
+    for chunk in chunks:
+        layer = getattr(unwrap(chunk), "output_layer", None)
+        if layer is not None:
+            layer.register_forward_pre_hook(lambda mod, args: calls.append([tuple(args[0].shape)]))
+            layer.register_forward_hook(lambda mod, args, out: calls[-1].append(tuple(out[0].shape)))
+    return calls
+
+
+def _hook_count(chunks) -> int:
+    return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for c in chunks for m in c.modules())
+
+
+def score_layout(name, tokenizer_dir, root: Path) -> dict:
+    """The GPTModel in layout `name`, scored on TASKS; saved as torch_dist when `name` is in SAVED."""
     from nano_eval.backends.megatron import MegatronModel
-    from tests.toy_megatron import ToyConfig, build_toy_megatron_model
-
-    cfg = ToyConfig()
-    model = build_toy_megatron_model(cfg, seed=seed)
-    return MegatronModel(model, AutoTokenizer.from_pretrained(tokenizer_dir), max_length=cfg.max_position_embeddings)
-
-
-def evaluate_layout(rank, world, tp, tokenizer_dir, batch_tokens=4096, max_samples=12):
-    """The toy Megatron model at tp x (world / tp) scored on TASKS; returns a summary per task."""
-    from tests.nanotron_worker import summarize  # backend-agnostic (imports no nanotron)
-
-    _setup(tp)
-    return summarize(_backend(tokenizer_dir), TASKS, batch_tokens, max_samples)
-
-
-def tp2_checks(rank, world, tokenizer_dir, ckpt_root, hook_dir, iteration=100):
-    """Everything the TP2 world checks, in one spawn: scores, vocab_parallel_cross_entropy agreement, the legacy
-    checkpoint written as Megatron writes it, and the pretrain hook."""
-    import torch.distributed as dist
-
+    from tests.megatron_gpt import GPTConfig, build_gpt_chunks, megatron_args
     from tests.nanotron_worker import summarize
 
-    _setup(2)
-    backend = _backend(tokenizer_dir)
-    out = {"layout": backend.layout.describe(), "scores": summarize(backend, TASKS, 96, 12)}
-    out["cross_entropy"] = cross_entropy_agreement(backend)
-    save_legacy_checkpoint(backend.module[0], Path(ckpt_root), iteration)
-    dist.barrier()
-    out["hook"] = run_hook(backend.module[0], backend.tokenizer, hook_dir)
+    tp, pp, vp, sp = LAYOUTS[name]
+    _setup(tp, pp, vp)
+    chunks = build_gpt_chunks(vp=vp, sequence_parallel=sp)
+    for chunk in chunks:
+        chunk.eval()
+    calls = _record_output_layer(chunks)
+    hooks = _hook_count(chunks)
+    backend = MegatronModel(chunks, _tokenizer(tokenizer_dir), max_length=GPTConfig().max_position_embeddings,
+                            micro_batch_size=MICRO_BATCH)
+    out = {"layout": backend.layout.describe(), "scores": summarize(backend, TASKS, BATCH_TOKENS, MAX_SAMPLES),
+           "output_layer_calls": calls, "hooks_left": _hook_count(chunks) - hooks}
+    if name == "tp2":
+        out["cross_entropy"] = cross_entropy_agreement(backend)
+    if name in SAVED:
+        from megatron.core.transformer.enums import AttnBackend
+
+        args = megatron_args(GPTConfig(), tp=tp, pp=pp)
+        args.attention_backend, args.save = AttnBackend.auto, root / name  # an enum and a path, as real args hold
+        save_dist_checkpoint(chunks[0], args, root / name, ITERATION)
+        if pp == 1:
+            args.ckpt_format = "torch"
+            save_legacy_checkpoint(chunks[0], args, root / "legacy", ITERATION)
+    return out
+
+
+def all_layouts(rank, world, tokenizer_dir, root, wandb_dir):
+    """World of 4: every layout of LAYOUTS scored (and two saved), then the Megatron-style training run."""
+    import time
+
+    root, out, seconds, start = Path(root), {}, {}, time.perf_counter()
+    for name in LAYOUTS:
+        out[name] = score_layout(name, tokenizer_dir, root)
+        seconds[name], start = time.perf_counter() - start, time.perf_counter()
+    out["loaded"] = load_in_world(root / "tp2")
+    seconds["load"], start = time.perf_counter() - start, time.perf_counter()
+    out["training"] = training_checks(tokenizer_dir, root / "hook", wandb_dir)
+    seconds["training"] = time.perf_counter() - start
+    out["seconds"] = seconds
     return out
 
 
 def cross_entropy_agreement(backend) -> float:
     """Largest |engine log-prob - (-sum of vocab_parallel_cross_entropy)| over a few requests, where the engine
-    goes through MegatronModel + the scoring core and the reference through Megatron's own loss."""
+    goes through MegatronModel + the scoring core and the reference through Megatron's own loss on full logits."""
     import torch
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
@@ -74,50 +127,140 @@ def cross_entropy_agreement(backend) -> float:
     return worst
 
 
-def save_legacy_checkpoint(model, root: Path, iteration: int):
-    """Megatron's legacy layout: each TP rank writes iter_%07d/mp_rank_%02d/model_optim_rng.pt with `model`, `args`,
-    `iteration`, `checkpoint_version` and an RNG state (numpy arrays inside); rank 0 writes the tracker file."""
-    import random
+# ---- a training run as Megatron-LM's pretrain drives it ---------------------------------------------------------
 
-    import numpy as np
+SEQ, GLOBAL_BATCH, TRAIN_ITERS, EVAL_INTERVAL = 16, 4, 4, 2
+
+
+def _batches(iteration: int, dp_rank: int, dp: int, vocab: int):
+    """This DP rank's microbatches (tokens, labels) of one iteration: the same data in every run."""
     import torch
-    import torch.distributed as dist
+
+    g = torch.Generator().manual_seed(1000 + iteration)
+    tokens = torch.randint(0, vocab, (GLOBAL_BATCH, SEQ + 1), generator=g)
+    mine = tokens[dp_rank * GLOBAL_BATCH // dp:(dp_rank + 1) * GLOBAL_BATCH // dp]
+    return [(row[None, :-1], row[None, 1:]) for row in mine]  # micro-batch size 1
+
+
+def _loss_step(data_iterator, model):
+    """Megatron's forward_step_func: (output, loss_func) with a per-token LM loss on the last stage."""
+    import torch
+
+    tokens, labels = next(data_iterator)
+    output = model(tokens, torch.arange(SEQ).expand_as(tokens), None, labels=labels)
+
+    def loss_func(output_tensor, non_loss_data=False):
+        loss = output_tensor.float().mean()
+        return loss, {"lm loss": loss.detach()}
+
+    return output, loss_func
+
+
+def training_args():
+    """The fields of Megatron-LM's args that train() maintains and the hook reads."""
+    from tests.megatron_gpt import GPTConfig, megatron_args
+
+    args = megatron_args(GPTConfig(), pp=2)
+    args.curr_iteration, args.iteration, args.consumed_train_samples = 0, 0, 0
+    args.seq_length, args.global_batch_size, args.skip_train = SEQ, GLOBAL_BATCH, False
+    return args
+
+
+def train_like_megatron(hook, args, wandb_run=None) -> dict:
+    """megatron-core DDP + distributed optimizer on pp2 x dp2, driven the way Megatron-LM's train() drives them:
+    `args.curr_iteration = iteration` -> train step -> `iteration += 1` -> consumed samples -> evaluate() every
+    EVAL_INTERVAL (validation loss through the schedule, then non_loss_data_func(model) on every rank, the W&B
+    writer logging the validation loss at `iteration`); after training, evaluate() on the validation and then the
+    test set. Returns the training losses, validation losses and what the hook returned."""
+    import torch
     from megatron.core import parallel_state as ps
-    from megatron.core.transformer.enums import AttnBackend
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from tests.toy_megatron import megatron_args
+    from tests.megatron_gpt import GPTConfig, build_gpt_chunks
 
-    tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-    args = megatron_args(model.cfg, tp=tp)
-    args.attention_backend, args.save = AttnBackend.auto, root  # an enum and a path, as real args hold
-    rng = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
-           "torch_rng_state": torch.get_rng_state()}
-    path = root / f"iter_{iteration:07d}" / f"mp_rank_{rank:02d}" / "model_optim_rng.pt"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if ps.get_data_parallel_rank() == 0:
-        torch.save({"args": args, "checkpoint_version": 3.0, "iteration": iteration, "model": model.state_dict(),
-                    "rng_state": [rng]}, path)
-    dist.barrier()
-    if dist.get_rank() == 0:
-        (root / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+    _setup(1, 2, gloo_groups=True)
+    cfg = GPTConfig()
+    chunks = build_gpt_chunks(cfg, dropout=0.1)  # dropout: the hook must leave the RNG streams as it found them
+    config = chunks[0].config
+    model = [DistributedDataParallel(config, DistributedDataParallelConfig(use_distributed_optimizer=True), c)
+             for c in chunks]
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, use_distributed_optimizer=True,
+                                                       clip_grad=1.0, params_dtype=torch.float32), model)
+    config.finalize_model_grads_func, config.no_sync_func = finalize_model_grads, model[0].no_sync
+    dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    schedule = get_forward_backward_func()
+    out = {"train": [], "valid": [], "hook": []}
+
+    def run(iteration, forward_only):
+        data = _batches(iteration, dp_rank, dp, cfg.vocab_size)
+        losses = schedule(forward_step_func=_loss_step, data_iterator=iter(data), model=model,
+                          num_microbatches=len(data), seq_length=SEQ, micro_batch_size=1, forward_only=forward_only)
+        return [d["lm loss"].item() for d in losses]  # [] off the last stage
+
+    def evaluate(iteration, dataset):
+        for m in model:
+            m.eval()
+        with torch.no_grad():
+            loss = run(-1 if dataset == "valid" else -2, forward_only=True)
+            result = hook(model) if hook is not None else None  # Megatron: non_loss_data_func(model)
+        for m in model:
+            m.train()
+        out["valid"].append((iteration, dataset, loss))
+        if hook is not None:
+            out["hook"].append((iteration, None if result is None else (result.step, result.consumed_tokens)))
+        if wandb_run is not None and loss:  # Megatron's writer: wandb_writer.log({...}, iteration)
+            wandb_run.log({f"lm loss {dataset}": sum(loss) / len(loss)}, iteration)
+
+    iteration = 0
+    for m in model:
+        m.train()
+    while iteration < TRAIN_ITERS:
+        args.curr_iteration = iteration
+        for m in model:
+            m.zero_grad_buffer()
+        optimizer.zero_grad()
+        out["train"].append(run(iteration, forward_only=False))
+        optimizer.step()
+        iteration += 1
+        args.consumed_train_samples += GLOBAL_BATCH
+        if wandb_run is not None and out["train"][-1]:
+            wandb_run.log({"lm loss": sum(out["train"][-1])}, iteration)
+        if iteration % EVAL_INTERVAL == 0:
+            evaluate(iteration, "valid")
+    evaluate(iteration, "valid")  # pretrain after train(): validation set, then test set, same iteration
+    evaluate(iteration, "test")
+    return out
 
 
-def run_hook(model, tokenizer, out_dir):
-    """The pretrain hook called the way Megatron's evaluate() calls it: non_loss_data_func([model chunks])."""
+def training_checks(tokenizer_dir, hook_dir, wandb_dir) -> dict:
+    """The same training run without and with the hook (W&B on Megatron's writer rank, world_size - 1)."""
+    import os
+
+    import torch.distributed as dist
+
     from nano_eval.training.config import EvalHookConfig
     from nano_eval.training.megatron import make_non_loss_data_func
 
-    config = EvalHookConfig(tasks="demo|arithmetic|0", max_samples=12, output_dir=out_dir, wandb=False)
-    step = {"value": 300}
-    hook = make_non_loss_data_func(config, tokenizer, get_iteration=lambda: step["value"], tokens_per_iteration=1024)
-    model.train()  # Megatron hands over an eval-mode model; the hook must restore whatever it gets
-    first = hook([model])
-    step["value"] = 400
-    second = hook([model])
+    without = train_like_megatron(None, training_args())
+    run = None
+    if dist.get_rank() == dist.get_world_size() - 1:  # Megatron-LM's _set_wandb_writer: last rank only
+        import wandb
+
+        os.environ.update(WANDB_SILENT="true", WANDB_DISABLE_GIT="true")
+        run = wandb.init(project="nano_eval_test", dir=wandb_dir, mode="offline")
+    args = training_args()
+    config = EvalHookConfig(tasks="demo|arithmetic|0", max_samples=6, output_dir=hook_dir)
+    hook = make_non_loss_data_func(config, _tokenizer(tokenizer_dir), get_args=lambda: args,
+                                   micro_batch_size=MICRO_BATCH)
+    with_hook = train_like_megatron(hook, args, run)
     hook.close()
-    return {"steps": [first.step, second.step], "tokens": [first.consumed_tokens, second.consumed_tokens],
-            "metrics": [first.tasks["demo|arithmetic|0"].metrics, second.tasks["demo|arithmetic|0"].metrics],
-            "training_restored": model.training and all(m.training for m in model.modules())}
+    if run is not None:
+        run.finish()
+    return {"without": {k: without[k] for k in ("train", "valid")},
+            "with": {k: with_hook[k] for k in ("train", "valid", "hook")},
+            "publisher": hook.hook.is_publisher, "evaluated_steps": hook.hook.evaluated_steps}
 
 
 def cpu_torch_dist_strategy():
@@ -140,33 +283,51 @@ def cpu_torch_dist_strategy():
     return CpuTorchDistSave("torch_dist", 1)
 
 
-def toy_gpt_model(args):
-    """A real megatron-core GPTModel (local spec, CPU) on this rank's TP shard and PP stage, holding the seed-0 toy
-    weights (with tied embeddings, the toy's lm_head is not used)."""
-    import re
-
+def gpt_model_from_args(args):
+    """The product's own GPTModel builder (the torch_dist loader's: local spec, from Megatron-LM's args) on this
+    rank's TP shard and PP stage, holding the seed-0 weights (with tied embeddings, lm_head is not used)."""
     from megatron.core import parallel_state as ps
 
     from nano_eval.checkpoints.megatron_dist import build_gpt_model
-    from tests.toy_megatron import ToyConfig, logical_weights, megatron_shard
+    from tests.megatron_gpt import GPTConfig, logical_weights, megatron_shard
 
-    cfg, pp = ToyConfig(), ps.get_pipeline_model_parallel_world_size()
-    first = ps.get_pipeline_model_parallel_rank() * cfg.num_layers // pp
-    local_names = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
-                   "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight"}
-
-    def local(name):  # TE norm names -> local spec's; global layer numbers -> this stage's
-        name = next((name.replace(te, loc) for te, loc in local_names.items() if name.endswith(te)), name)
-        return re.sub(r"^decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{int(m.group(1)) - first}.", name)
-
+    cfg = GPTConfig()
     model = build_gpt_model(vars(args))
-    own = {k for k in model.state_dict() if not k.endswith("_extra_state")}
     shard = megatron_shard(logical_weights(cfg), cfg, ps.get_tensor_model_parallel_rank(),
                            ps.get_tensor_model_parallel_world_size())
-    state = {local(k): v for k, v in shard.items() if local(k) in own}
-    assert set(state) == own, sorted(own - set(state))
+    local = {f"decoder.layers.{i}.": f"decoder.layers.{layer.layer_number - 1}."
+             for i, layer in enumerate(model.decoder.layers)}
+
+    def global_name(name):
+        prefix = next((p for p in local if name.startswith(p)), None)
+        return name if prefix is None else local[prefix] + name[len(prefix):]
+
+    state = {k: shard[global_name(k)] for k in model.state_dict() if not k.endswith("_extra_state")}
     model.load_state_dict(state, strict=False)
     return model
+
+
+def save_legacy_checkpoint(model, args, root: Path, iteration: int):
+    """Megatron's legacy layout (pp = 1): each TP rank writes iter_%07d/mp_rank_%02d/model_optim_rng.pt with `model`,
+    `args`, `iteration`, `checkpoint_version` and an RNG state (numpy arrays inside); rank 0 writes the tracker."""
+    import random
+
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    rng = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+           "torch_rng_state": torch.get_rng_state()}
+    path = root / f"iter_{iteration:07d}" / f"mp_rank_{ps.get_tensor_model_parallel_rank():02d}" / "model_optim_rng.pt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if ps.get_data_parallel_rank() == 0:
+        state = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+        torch.save({"args": args, "checkpoint_version": 3.0, "iteration": iteration, "model": state,
+                    "rng_state": [rng]}, path)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        (root / "latest_checkpointed_iteration.txt").write_text(str(iteration))
 
 
 def save_dist_checkpoint(model, args, root: Path, iteration: int):
@@ -211,37 +372,26 @@ def state_digest(state: dict) -> str:
     return digest.hexdigest()
 
 
-def dist_checkpoint_checks(rank, world, root, iteration=100):
-    """TP2 world: write the toy model as a legacy and a torch_dist checkpoint (as Megatron-LM does), then load the
-    torch_dist one on both ranks of this world (what run.py under torchrun does). Returns the loaded weights'
-    fingerprint and the process-group state after the load."""
+def load_in_world(root: Path) -> dict:
+    """Every rank of a running world loads the torch_dist checkpoint (what run.py under torchrun does): the loaded
+    weights' fingerprint, and whether parallel_state is clean afterwards."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     from nano_eval.checkpoints.megatron_legacy import load_megatron_llama_as_hf
-    from tests.toy_megatron import ToyConfig, build_toy_megatron_model, megatron_args
 
-    _setup(2)
-    root = Path(root)
-    save_legacy_checkpoint(build_toy_megatron_model(ToyConfig()), root / "legacy", iteration)
-    from megatron.core.transformer.enums import AttnBackend
-
-    args = megatron_args(ToyConfig(), tp=2)
-    args.ckpt_format, args.attention_backend, args.save = "torch_dist", AttnBackend.auto, root / "dist"  # as real args
-    save_dist_checkpoint(toy_gpt_model(args), args, root / "dist", iteration)
-    ps.destroy_model_parallel()
-    hf = load_megatron_llama_as_hf(root / "dist" / f"iter_{iteration:07d}")
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    hf = load_megatron_llama_as_hf(root / f"iter_{ITERATION:07d}")
     return {"digest": state_digest(hf.state_dict()),
             "parallel_state_clean": not ps.model_parallel_is_initialized(), "world": dist.get_world_size()}
 
 
-def save_dist_layout(rank, world, root, tp, pp, untie=True, iteration=100):
-    """The toy model saved as torch_dist at tp x pp (world = tp x pp) with tied or untied embeddings."""
-    from nano_eval.compat.megatron import initialize_cpu_model_parallel
-    from tests.toy_megatron import ToyConfig, megatron_args
+def save_dist_layout(rank, world, root, tp, pp, untie=True, iteration=ITERATION):
+    """The seed-0 model saved as torch_dist at tp x pp (world = tp x pp) with tied or untied embeddings."""
+    from tests.megatron_gpt import GPTConfig, megatron_args
 
-    warnings.filterwarnings("ignore", module="megatron")
-    initialize_cpu_model_parallel(tp=tp, pp=pp)
-    args = megatron_args(ToyConfig(), tp=tp, pp=pp)
-    args.ckpt_format, args.untie_embeddings_and_output_weights = "torch_dist", untie
-    save_dist_checkpoint(toy_gpt_model(args), args, Path(root), iteration)
+    _setup(tp, pp)
+    args = megatron_args(GPTConfig(), tp=tp, pp=pp)
+    args.untie_embeddings_and_output_weights = untie
+    save_dist_checkpoint(gpt_model_from_args(args), args, Path(root), iteration)

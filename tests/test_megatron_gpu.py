@@ -1,8 +1,9 @@
 """GPU-only: a real megatron-core GPTModel behind MegatronModel scores like its transformers conversion.
 
 TP1 on one GPU; with two or more GPUs also TP2 and PP2 (PP goes through Megatron's forward-only schedule and P2P).
-The weights are the toy model's (tests/toy_megatron.py): sliced into GPTModel's state dict (Transformer Engine
-names when TE is installed, local-spec names otherwise) and, unsliced, loaded into transformers' Llama.
+The weights are tests/megatron_gpt.py's: sliced into GPTModel's state dict (Transformer Engine names when TE is
+installed, local-spec names otherwise) and, unsliced, loaded into transformers' Llama. The CPU tests
+(tests/test_megatron.py) cover every layout on the local spec; this file is for the CUDA kernels (TE spec, bf16).
 """
 
 import os
@@ -17,8 +18,8 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 TASKS = "demo|arithmetic|0,demo|arithmetic_ppl|0"
-LOCAL_SPEC_NAMES = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
-                    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight"}
+TE_SPEC_NAMES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+                 "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
 
 
 def _layer_spec():
@@ -41,9 +42,9 @@ def build_gpt_model(tp: int, pp: int):
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.core.transformer import TransformerConfig
 
-    from tests.toy_megatron import ToyConfig, logical_weights, megatron_shard
+    from tests.megatron_gpt import GPTConfig, logical_weights, megatron_shard
 
-    cfg = ToyConfig()
+    cfg = GPTConfig()
     model_parallel_cuda_manual_seed(0)
     config = TransformerConfig(
         num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.ffn_hidden_size,
@@ -67,8 +68,8 @@ def build_gpt_model(tp: int, pp: int):
             if not stage * per_stage <= index < (stage + 1) * per_stage:
                 continue
             name = name.replace(f"decoder.layers.{index}.", f"decoder.layers.{index - stage * per_stage}.", 1)
-        if local:
-            name = next((name.replace(k, v) for k, v in LOCAL_SPEC_NAMES.items() if name.endswith(k)), name)
+        if not local:
+            name = next((name.replace(k, v) for k, v in TE_SPEC_NAMES.items() if name.endswith(k)), name)
         state[name] = tensor.cuda()
     expected = {k for k in model.state_dict() if not k.endswith("_extra_state")}
     missing = expected - set(state)
@@ -131,9 +132,9 @@ def reference(toy_checkpoint):
 
     from nano_eval.backends.transformers import TransformersModel
     from tests.nanotron_worker import summarize
-    from tests.toy_megatron import ToyConfig, logical_weights
+    from tests.megatron_gpt import GPTConfig, logical_weights
 
-    cfg = ToyConfig()
+    cfg = GPTConfig()
     hf = LlamaForCausalLM(LlamaConfig(
         vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn_hidden_size,
         num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_attention_heads,

@@ -1,21 +1,29 @@
-"""Megatron-Core backend: score the model chunks the trainer holds, in their own TP x PP x DP layout.
+"""Megatron-Core backend: score the model chunks the trainer holds, in their own TP x PP (x virtual PP) x DP layout.
 
 The model is a `GPTModel` built with `parallel_output=True` (Megatron's default), or the list of chunks that
 `pretrain` holds (wrapped in DDP / Float16Module), or anything with the same call convention:
 `model(input_ids [B, S], position_ids [B, S], attention_mask [1, 1, S, S] bool, True = masked)` returning
 vocab-sharded logits `[B, S, V/tp]` on the last pipeline stage.
 
-- pp = 1: we call the model directly and keep the scored positions of its logits.
-- pp > 1 (GPU only): Megatron's own schedule (`get_forward_backward_func()`, forward_only=True,
-  collect_non_loss_data=True) moves activations between stages; the forward step's "loss function" returns the
-  scored-position logits as non-loss data on the last stage. Every stage holds the same batch, so the schedule is
-  told the batch's real sequence length (no variable_seq_lengths needed); `pad_to_length` fixes it instead.
+- Output layer on scored positions only: while we score, a forward pre-hook on the last chunk's `output_layer`
+  (a ColumnParallelLinear) hands it the final hidden states `[N, 1, H]` at the scored (row, col) positions instead
+  of `[S, B, H]`, so the last stage computes `[N, V/tp]` logits rather than `[B, S, V/tp]` (B x S / N times less;
+  the hook is removed after every batch). Under sequence parallelism the hidden states `[S/tp, B, H]` are gathered
+  over TP first and the layer's own gather is switched off for that call, as megatron-core's inference does.
+  A model without an `output_layer` attribute is called as is and its full logits are indexed.
+- pp = 1: we call the model directly.
+- pp > 1: Megatron's own schedule (`get_forward_backward_func()`, forward_only=True, collect_non_loss_data=True;
+  1F1B, or interleaved when the trainer holds several chunks per stage) moves activations between stages; the
+  forward step's "loss function" returns the scored-position logits as non-loss data on the last stage. Every
+  stage holds the same batch, so the schedule is told the batch's real sequence length (no variable_seq_lengths
+  needed); `pad_to_length` fixes it instead.
 Rows are right-padded, so a causal mask alone keeps padding out of every scored position.
 """
 
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -48,16 +56,54 @@ class MegatronModel:
             )
         self.config = getattr(inner, "config", None)
         self.seq_multiple = self.layout.tp_size if getattr(self.config, "sequence_parallel", False) else 1
+        self._picks: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, cols) of the forward in flight
+        self._hooked = False
 
     @torch.no_grad()
     def forward(self, batch: Batch) -> torch.Tensor | None:
         """Logits [N, V/tp] at (batch.rows, batch.cols) on the last stage; None on the other stages."""
         input_ids = self._padded(batch.input_ids.to(self.device))
         rows, cols = batch.rows.to(self.device), batch.cols.to(self.device)
-        if self.layout.pp_size == 1 and len(self.chunks) == 1:
-            logits = self.chunks[0](*self._inputs(input_ids))  # [B, S, V/tp]
-            return logits[rows, cols]
-        return self._forward_pipelined(input_ids, rows, cols)
+        with self._output_layer_on_scored_positions():
+            if self.layout.pp_size == 1 and len(self.chunks) == 1:
+                return self._scored(self.chunks[0], input_ids, rows, cols)
+            return self._forward_pipelined(input_ids, rows, cols)
+
+    def _scored(self, chunk, input_ids, rows, cols) -> torch.Tensor:
+        """One forward of the last (or only) stage: logits [N, V/tp] at (rows, cols)."""
+        self._picks = (rows, cols)
+        output = chunk(*self._inputs(input_ids))
+        if self._hooked:  # [1, N, V/tp]: the output layer already saw the scored positions only
+            return output[0]
+        return output[rows, cols]  # [B, S, V/tp] -> [N, V/tp]
+
+    @contextmanager
+    def _output_layer_on_scored_positions(self):
+        """While inside: every output_layer of our chunks computes logits at self._picks only (see the docstring)."""
+        layers = [getattr(unwrap(c), "output_layer", None) for c in self.chunks]
+        layers = [layer for layer in layers if layer is not None]
+        handles = [h for layer in layers for h in (
+            layer.register_forward_pre_hook(self._pick_hidden_states, with_kwargs=True),
+            layer.register_forward_hook(_restore_sequence_parallel))]
+        self._hooked = bool(layers)
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+            for layer in layers:
+                _restore_sequence_parallel(layer)
+            self._hooked, self._picks = False, None
+
+    def _pick_hidden_states(self, layer, args, kwargs):
+        """output_layer pre-hook: hidden states [S(/tp), B, H] -> [N, 1, H] at the scored (row, col) positions."""
+        hidden, rows, cols = args[0], *self._picks
+        if getattr(layer, "sequence_parallel", False):  # [S/tp, B, H] on each TP rank: gather the sequence first
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            hidden = gather_from_sequence_parallel_region(hidden, group=self.layout.tp_group)
+            layer.sequence_parallel, layer._nano_eval_sequence_parallel = False, True  # until this call returns
+        return (hidden[cols, rows].unsqueeze(1), *args[1:]), kwargs
 
     def _padded(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[B, S] -> [B, S'] with S' = pad_to_length, or S rounded up for sequence parallelism."""
@@ -77,7 +123,7 @@ class MegatronModel:
         mask = torch.ones(s, s, dtype=torch.bool, device=input_ids.device).triu(1)[None, None]
         return input_ids, position_ids, mask
 
-    # ---- pipeline parallel (GPU only: Megatron's P2P allocates on CUDA) -------------------------------------------
+    # ---- pipeline parallel: Megatron's schedule ------------------------------------------------------------------
 
     def _forward_pipelined(self, input_ids, rows, cols) -> torch.Tensor | None:
         """Run the batch through Megatron's schedule in microbatches of `micro_batch_size` rows."""
@@ -92,10 +138,11 @@ class MegatronModel:
 
         def forward_step(data_iterator, model):
             ids, r, c = next(data_iterator)
-            output = model(*self._inputs(ids))  # [mbs, S, V/tp] on the last stage, hidden states elsewhere
+            self._picks = (r, c)  # read by the output-layer hook, within this call
+            output = model(*self._inputs(ids))  # logits on the last stage's last chunk, hidden states elsewhere
 
             def scored_logits(output_tensor, non_loss_data=False):
-                return output_tensor[r, c]
+                return output_tensor[0] if self._hooked else output_tensor[r, c]  # [n, V/tp]
 
             return output, scored_logits
 
@@ -108,3 +155,9 @@ class MegatronModel:
         for p, logits in zip(picks, collected, strict=True):
             out[p] = logits
         return out
+
+
+def _restore_sequence_parallel(layer, *unused) -> None:
+    """Undo _pick_hidden_states' switch of the output layer's sequence-parallel gather (a forward hook)."""
+    if layer.__dict__.pop("_nano_eval_sequence_parallel", False):
+        layer.sequence_parallel = True

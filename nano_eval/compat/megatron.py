@@ -6,8 +6,9 @@
 - `get_forward_backward_func` and the schedule it returns gained keyword arguments over releases
   (`pg_collection`, `p2p_communicator`, `adjust_tensor_shapes_fn`; 0.20 adds `schedule_pg_collection` to the
   getter): `call_schedule` passes only the keywords the installed schedule accepts.
-- On CPU/gloo, `initialize_model_parallel` and the tensor-parallel layers work; GPTModel's forward, the pipeline
-  schedules and their P2P need CUDA. `initialize_cpu_model_parallel` is for tests and CPU examples.
+- On a CPU-only torch, `initialize_model_parallel` and the tensor-parallel layers work as they are; GPTModel, the
+  schedules, DDP and the optimizer have a few CUDA-only calls (the tests answer them with tests/megatron_cpu.py).
+  `initialize_cpu_model_parallel` is for the torch_dist checkpoint loader and CPU tests.
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ def unwrap(module):
 def call_schedule(forward_step_func, data_iterator, chunks: list, *, num_microbatches: int, seq_length: int,
                   micro_batch_size: int) -> list:
     """Megatron's pipeline schedule in forward-only mode, collecting what the forward step's "loss function"
-    returns on the last stage (non-loss data); [] on the other stages. GPU-only (P2P allocates on CUDA)."""
+    returns on the last stage (non-loss data); [] on the other stages."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     schedule = get_forward_backward_func()

@@ -4,7 +4,8 @@ Both are best-effort: a missing package or a failing call prints ONE warning per
 local result files (written separately) are always complete.
 
 W&B x-axis. Evaluation results arrive late and sometimes out of order relative to W&B's internal `_step`, which
-silently drops `step=` values lower than the last one. So we never pass `step=`: every row carries the trainer's
+silently drops `step=` values lower than the last one. So by default we never pass `step=` (`log_step=True` does,
+for a trainer that logs every row at step=its iteration itself, as Megatron-LM does): every row carries the trainer's
 step under `step_key` (default `train/step`) and consumed tokens under `tokens_key`, and
 `define_metric("<prefix>/*", step_metric=step_key)` makes the training step the x-axis of every eval chart.
 """
@@ -50,12 +51,14 @@ class WandbLogger:
         mode: str | None = None,
         dir: str | None = None,
         step_key: str = "train/step",
+        log_step: bool = False,
         tokens_key: str = "train/consumed_tokens",
         prefix: str = "eval",
         init_kwargs: Mapping[str, Any] | None = None,
         run_config: Mapping[str, Any] | None = None,
     ):
         self.step_key, self.tokens_key, self.prefix = step_key, tokens_key, prefix
+        self.log_step = log_step  # also pass step= (the trainer logs with step= itself)
         self.run = None
         self.owns_run = False
         self.failures = 0  # failed W&B calls; only the first one is reported
@@ -117,7 +120,7 @@ class WandbLogger:
             row[self.step_key] = step
             if consumed_tokens is not None:
                 row[self.tokens_key] = consumed_tokens
-            self.run.log(row)
+            self.run.log(row, step=step) if self.log_step else self.run.log(row)
         except Exception as e:  # noqa: BLE001
             self._fail(f"W&B logging failed at step {step} ({one_line(e)}); "
                        "eval results still go to the local files")

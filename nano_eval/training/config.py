@@ -46,6 +46,10 @@ class EvalHookConfig:
     wandb_dir: str | None = None  # where W&B writes its run folder; default: output_dir
     wandb_init_kwargs: Mapping[str, Any] | None = None  # anything else for wandb.init
     step_key: str = "train/step"  # W&B x-axis of every eval metric
+    # Also pass the trainer's step as W&B's own step (`log(row, step=step)`), for trainers that log every row with
+    # step= themselves (Megatron-LM: `wandb_writer.log(..., iteration)`): a row without it would move W&B's step
+    # past the trainer's, and the trainer's next row at the same step would be dropped.
+    wandb_log_step: bool = False
     tokens_key: str = "train/consumed_tokens"
     metric_prefix: str = "eval"
     log_stderr: bool = False  # also send "<metric>_stderr" to W&B/TensorBoard (always in the local files)

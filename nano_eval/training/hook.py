@@ -114,6 +114,7 @@ class EvalHook:
                     mode=config.wandb_mode,
                     dir=str(config.wandb_dir or config.output_dir),
                     step_key=config.step_key,
+                    log_step=config.wandb_log_step,
                     tokens_key=config.tokens_key,
                     prefix=config.metric_prefix,
                     init_kwargs=config.wandb_init_kwargs,
