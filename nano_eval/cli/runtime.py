@@ -45,7 +45,7 @@ def run_command(body: Callable[[], None], what: str) -> int:
             body()
     except NanoEvalError as e:
         print(f"nano_eval: error: {prefix}{e}", file=sys.stderr)
-        return 2
+        return e.exit_code
     except Exception as e:
         traceback.print_exc()
         print(f"nano_eval: error: {prefix}{what} failed: {type(e).__name__}: {e}", file=sys.stderr)
