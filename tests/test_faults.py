@@ -181,3 +181,110 @@ def test_malformed_data_line_is_named(tmp_path, capsys):
     assert code == 2, err
     [line] = _error_lines(err)
     assert f"task 'custom|rows': data file {data}: line 3 is not valid JSON" in line and "Fix:" in line
+
+
+# ---- sweeps -----------------------------------------------------------------------------------------------------
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def _sweep(run: Path, out: Path, *extra: str) -> list[str]:
+    return ["sweep", str(run), "--tasks", "demo|arithmetic|0", "--output-dir", str(out), "--max-samples", "2",
+            "--settle-s", "0", "--no-report", *extra]
+
+
+def _wait_for(predicate, timeout: float, proc: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert proc.poll() is None, f"exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"timed out after {timeout}s:\n{log.read_text()[-3000:]}"
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def broken_run(toy_checkpoint, tmp_path_factory) -> Path:
+    """checkpoint-1 and checkpoint-3 are the toy model; checkpoint-2 has a config.json that does not parse."""
+    run = tmp_path_factory.mktemp("broken_run")
+    for step in (1, 2, 3):
+        shutil.copytree(toy_checkpoint, run / f"checkpoint-{step}")
+    (run / "checkpoint-2" / "config.json").write_text("{not json")
+    return run
+
+
+def test_broken_checkpoint_in_a_sweep_is_recorded_and_skipped(broken_run, tmp_path, capsys):
+    from nano_eval.sweep.table import read_table
+
+    out = tmp_path / "out"
+    code = run_main(_sweep(broken_run, out)[:-1])  # without --no-report: the report lists the failure
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert "checkpoint-2" in _error_lines(err)[-1] and "failed and were skipped" in _error_lines(err)[-1]
+    rows = read_table(out)
+    assert sorted({r["step"] for r in rows if not r["error"]}) == [1, 3]  # lost nothing
+    [failed] = [r for r in rows if r["error"]]
+    assert failed["step"] == 2 and "config.json is not valid JSON" in failed["error"]
+    assert 'data-failed="1"' in (out / "report" / "index.html").read_text()
+    # Another sweep into the same folder with other settings is refused, naming them.
+    assert run_main(_sweep(broken_run, out, "--max-samples", "3")) == 2
+    [line] = _error_lines(capsys.readouterr().err)
+    assert "max_samples: 3 here, 2 there" in line and "--output-dir" in line
+
+
+def test_second_sweep_into_a_busy_folder_stops_and_sigterm_exits_143(broken_run, tmp_path, capsys):
+    out, log, run = tmp_path / "out", tmp_path / "log.txt", tmp_path / "run"
+    run.mkdir()
+    shutil.copytree(broken_run / "checkpoint-1", run / "checkpoint-1")
+    proc = subprocess.Popen([sys.executable, "-m", "nano_eval", *_sweep(run, out, "--watch", "--poll-s", "0.2")],
+                            stdout=log.open("w"), stderr=subprocess.STDOUT, env=ENV)
+    try:
+        _wait_for(lambda: (out / "sweep_results.csv").exists(), 120, proc, log)
+        assert run_main(_sweep(run, out)) == 2  # the same sweep again, while the first one runs
+        [line] = _error_lines(capsys.readouterr().err)
+        assert f"is in use by another sweep (pid {proc.pid} on" in line and "Fix:" in line
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM, log.read_text()[-3000:]
+    finally:
+        proc.kill()
+        proc.wait()
+    assert "SIGTERM received" in log.read_text()
+    assert run_main(_sweep(run, out)) == 0  # the lock went with the process
+    assert "1 reused" in capsys.readouterr().out
+
+
+def _child_with_rank(parent: int, rank: int) -> int:
+    """The pid of the torchrun worker of `rank` (a child of `parent`, by its RANK environment variable)."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            environ = (proc / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == parent and f"RANK={rank}".encode() in environ:
+            return int(proc.name)
+    raise AssertionError(f"no rank {rank} under pid {parent}")
+
+
+def test_a_stopped_rank_is_named_within_the_timeout(tmp_path):
+    from tests.dist_utils import free_port
+
+    run, out, log = tmp_path / "run", tmp_path / "out", tmp_path / "log.txt"
+    run.mkdir()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+           "-m", "nano_eval", *_sweep(run, out, "--watch", "--poll-s", "0.2", "--dist-timeout", "4")]
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=ENV, start_new_session=True)
+    stopped = None
+    try:
+        _wait_for(lambda: "watching" in log.read_text(), 120, proc, log)
+        stopped = _child_with_rank(proc.pid, 1)
+        os.kill(stopped, signal.SIGSTOP)
+        start = time.monotonic()
+        _wait_for(lambda: "nano_eval: error:" in log.read_text(), 30, proc, log)
+        took = time.monotonic() - start
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and both workers (SIGKILL ends a stopped process too)
+        proc.wait()
+    [line] = [x for x in _error_lines(log.read_text()) if "[rank 0]" in x]
+    assert line.startswith("nano_eval: error: [rank 0] sweep failed: rank 1 did not answer within 4s (--dist-timeout)")
+    assert took < 4 + 2 + 6, took  # the timeout, the 2 s grace for the other ranks to check in, slack for the CPU
