@@ -43,9 +43,14 @@ _DIST_TIMEOUT_S: float | None = None  # the --dist-timeout of the process group 
 
 
 def looks_like_timeout(error: BaseException) -> bool:
-    """A collective gave up waiting for a peer (gloo: "Timed out waiting ...", nccl watchdog: "Timeout")."""
-    text = f"{type(error).__name__} {error}".lower()
-    return dist.is_initialized() and ("timed out" in text or "timeout" in text)
+    """A collective gave up waiting for a peer (gloo: "[...gloo/...] Timed out waiting 4000ms for recv", nccl's
+    watchdog: a DistBackendError about a timeout). Other timeouts (an HTTP read) are not ours to explain."""
+    text = str(error).lower()
+    if not dist.is_initialized():
+        return False
+    if isinstance(error, (dist.DistBackendError, dist.DistStoreError)):
+        return "time" in text
+    return "gloo" in text and "timed out" in text
 
 
 def unanswered_ranks(grace_s: float) -> list[int]:

@@ -10,7 +10,8 @@ hook.close()
 
 Every rank calls the hook at the same steps (`should_run` depends on the step only); every rank gets the same
 `HookResults`; global rank 0 (or `publish_rank`) writes `<output_dir>/eval_results.jsonl` (one fsynced line per evaluation),
-`<output_dir>/step_<N>/results.json` (atomic), and logs to W&B / TensorBoard.
+`<output_dir>/step_<N>/results.json` (atomic), and logs to W&B / TensorBoard. A failed evaluation (fail_soft) leaves a
+`{"step", "failed"}` row in the JSONL file and `eval/failed = 1` in W&B.
 
 Training is not changed by an evaluation: the model is scored in eval mode under no_grad and every module's
 train/eval flag is restored; every RNG state (python, numpy, torch CPU, CUDA) is saved before the hook does
