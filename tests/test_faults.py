@@ -104,7 +104,11 @@ def test_hook_skips_a_task_with_bad_documents_when_fail_soft(custom_tasks, toy_b
     assert list(hook.bad_tasks) == ["custom|bad_gold"]
     assert list(hook(1).tasks) == ["demo|arithmetic|0"]
     from nano_eval.errors import BadDocumentError
+    from nano_eval.training.megatron import make_non_loss_data_func
 
+    megatron_hook = make_non_loss_data_func(config, tokenizer=None)  # Megatron's hook loads its tasks up front
+    assert [spec.key for spec, _ in megatron_hook.tasks] == ["demo|arithmetic|0"]
+    assert list(megatron_hook.bad_tasks) == ["custom|bad_gold"]
     with pytest.raises(BadDocumentError, match="row 3: field 'gold_index'"):
         EvalHook(EvalHookConfig(tasks=tasks, custom_tasks=custom_tasks, output_dir=tmp_path, fail_soft=False,
                                 wandb=False), toy_backend)

@@ -34,6 +34,8 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
+import torch.distributed as dist
+
 from nano_eval.compat.megatron import unwrap
 from nano_eval.tasks import load_tasks
 from nano_eval.tracking.wandb_logger import one_line
@@ -75,8 +77,16 @@ class MegatronEvalHook:
         self.micro_batch_size, self.pg_collection = micro_batch_size, pg_collection
         self.hook: EvalHook | None = None
         self.backend = None
-        # before training: bad specs and missing data fail here, at once
-        self.tasks = load_tasks(config.tasks, custom_tasks=config.custom_tasks, data_dir=config.data_dir)
+        # before training: bad specs and missing data fail here, at once; with fail_soft a task with unscorable
+        # documents is skipped with a warning (as EvalHook does), otherwise it fails here too
+        bad: dict[str, str] | None = {} if config.fail_soft else None
+        self.tasks = load_tasks(config.tasks, custom_tasks=config.custom_tasks, data_dir=config.data_dir,
+                                bad_documents=bad)
+        self.bad_tasks = bad or {}
+        if not dist.is_initialized() or dist.get_rank() == config.publish_rank:
+            for name, why in self.bad_tasks.items():
+                print(f"nano_eval: warning: task {name} is skipped by the evaluation hook (fail_soft=True): {why}",
+                      file=sys.stderr, flush=True)
 
     def __call__(self, model) -> HookResults | None:
         """Called by Megatron's evaluate() on every rank. Returns the results (None if it failed, fail_soft)."""
