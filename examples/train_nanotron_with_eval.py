@@ -80,6 +80,9 @@ def main() -> None:
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"evaluation took {trainer.nano_eval_hook.time_share:.0%} of wall time")
         for row in read_jsonl(Path(trainer.nano_eval_options.hook.output_dir) / JSONL_NAME):
+            if "failed" in row:  # a fail-soft failure: the step's row says why
+                print(f"step {row['step']:>4}: failed: {row['failed']}")
+                continue
             scores = ", ".join(f"{task} {name}={value:.3f}" for task, metrics in row["results"].items()
                                for name, value in list(metrics.items())[:1])
             print(f"step {row['step']:>4} tokens {row['consumed_tokens']:>7}: {scores}")

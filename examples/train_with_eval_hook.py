@@ -126,6 +126,9 @@ def main() -> None:
               f"metrics from {out / JSONL_NAME}:")
         print("  ".join(f"{h:>26}" if "/" in h else f"{h:>7}" for h in header))
         for row in rows:
+            if "failed" in row:  # a fail-soft failure: the step's row says why
+                print(f"{row['step']:>7}  failed: {row['failed']}")
+                continue
             cells = [f"{row['step']:>7}", f"{row['consumed_tokens']:>7}"]
             for task, metric in SHOWN:
                 value = row["results"].get(task, {}).get(metric)

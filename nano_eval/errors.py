@@ -2,4 +2,23 @@
 
 
 class NanoEvalError(Exception):
-    """A user-facing error whose message names the thing and the fix; entry points print it without a traceback."""
+    """A user-facing error whose message names the thing and the fix; entry points print it without a traceback.
+
+    `exit_code`: what the command line exits with (2: bad input)."""
+
+    exit_code = 2
+
+
+class BadDocumentError(NanoEvalError):
+    """A task's document cannot be scored (gold index out of range, no choices, empty continuation); `task` is
+    the task's name ("suite|task"), so a caller that may go on without it (the training hook) knows which one."""
+
+    def __init__(self, message: str, *, task: str):
+        super().__init__(message)
+        self.task = task
+
+
+class TasksFailedError(NanoEvalError):
+    """Some tasks failed while being scored; the others' results were written. Exit code 1 (not bad input)."""
+
+    exit_code = 1

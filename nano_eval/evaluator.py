@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import sys
 import time
+import traceback
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -47,6 +48,7 @@ class TaskResult:
 class EvalResults:
     tasks: dict[str, TaskResult]
     timings: dict[str, float]
+    failed: dict[str, str] = field(default_factory=dict)  # task key -> why it failed while being scored
 
     def table(self) -> str:
         """A plain-text results table, one row per task and metric."""
@@ -116,11 +118,20 @@ class Evaluator:
         start = time.perf_counter()
         with evaluation_mode(getattr(self.backend, "module", None)):
             raw, timings = self.run_requests()
-        tasks = {p.spec.key: self._score_task(p, raw) for p in self.prepared}
+        tasks, failed = {}, {}
+        for p in self.prepared:  # one task's failure (a metric's bug) never loses the others' scores
+            try:
+                tasks[p.spec.key] = self._score_task(p, raw)
+            except Exception as e:  # noqa: BLE001 -- reported, and listed in EvalResults.failed
+                failed[p.spec.key] = f"{type(e).__name__}: {' '.join(str(e).split())}"[:1000]
+                if self.backend.layout.is_main:
+                    traceback.print_exc()
+                    print(f"nano_eval: error: task {p.spec.key} failed while being scored: {failed[p.spec.key]}",
+                          file=sys.stderr, flush=True)
         if self.backend.layout.is_main:
             warn_truncation(tasks, self.backend.max_length)
         timings.update(build_s=self.build_seconds, evaluate_s=time.perf_counter() - start)
-        return EvalResults(tasks=tasks, timings=timings)
+        return EvalResults(tasks=tasks, timings=timings, failed=failed)
 
     def _score_task(self, prepared: _PreparedTask, raw: dict) -> TaskResult:
         by_doc: dict[int, list[Request]] = defaultdict(list)

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from nano_eval.checkpoints.load import LoadOptions, checkpoint_identity, load_backend
+from nano_eval.errors import TasksFailedError
 from nano_eval.evaluator import EvalConfig, EvalResults, Evaluator
 from nano_eval.tracking.results import results_document, write_results
 
@@ -45,7 +46,10 @@ def evaluate_checkpoint(job: EvalJob, tasks: list, checkpoint: str, out_dir: str
                         replace_details: bool = False) -> EvalResults:
     """Load `checkpoint`, score it on `tasks` ([(TaskSpec, Task)], loaded once by the caller), and on global rank 0
     write `<out_dir>/results.json` (+ details; see tracking.results.write_results). Every rank calls it; every rank
-    returns the same results. The model is dropped on return."""
+    returns the same results. The model is dropped on return.
+
+    Tasks that fail while being scored are listed in results.json (`failed_tasks`) next to the others' scores, then
+    TasksFailedError is raised on every rank (exit code 1)."""
     backend = load_backend(checkpoint, job.load)
     results = Evaluator(backend, tasks, job.eval).evaluate(step=step)
     if backend.layout.is_main:
@@ -53,4 +57,10 @@ def evaluate_checkpoint(job: EvalJob, tasks: list, checkpoint: str, out_dir: str
                                checkpoint=checkpoint_identity(checkpoint), step=step,
                                consumed_tokens=consumed_tokens, extra=extra)
         write_results(out_dir, doc, results, details=job.details, replace_details=replace_details)
+    if results.failed:
+        raise TasksFailedError(
+            f"{len(results.failed)} task(s) failed while being scored: "
+            + "; ".join(f"{k}: {why}" for k, why in results.failed.items())
+            + f". The scores of the other {len(results.tasks)} task(s) are in {Path(out_dir) / 'results.json'}. "
+            "Fix: the task's metric or data (traceback above), then rerun.")
     return results

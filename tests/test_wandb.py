@@ -8,6 +8,7 @@ payloads are `wandb.proto.wandb_internal_pb2.Record` messages.
 
 import json
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -48,6 +49,12 @@ def read_run(root: Path) -> tuple[list[dict], dict[str, str]]:
     """(history rows, {metric name or glob: step metric}) of the single offline run under `root`."""
     files = list(root.glob("wandb/offline-run-*/run-*.wandb"))
     assert len(files) == 1, files
+    # wandb's service process may still be writing the log after run.finish() returned (seen on a loaded machine:
+    # a 7-byte file): wait for the run's exit record.
+    deadline = time.monotonic() + 60
+    while not any(r.WhichOneof("record_type") == "exit" for r in read_wandb_records(files[0])):
+        assert time.monotonic() < deadline, f"{files[0]} has no exit record after 60 s"
+        time.sleep(0.1)
     rows, step_metrics = [], {}
     for r in read_wandb_records(files[0]):
         kind = r.WhichOneof("record_type")

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from nano_eval.backends.transformers import TransformersModel
+from nano_eval.checkpoints.files import check_safetensors, load_tokenizer, read_json_file
 from nano_eval.errors import NanoEvalError
 from nano_eval.parallel import ParallelLayout
 
@@ -19,12 +20,14 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
 
 
 def load_transformers(path: str, *, device: str = "cpu", dtype: str = "float32", max_length: int | None = None,
-                      trust_remote_code: bool = False, layout: ParallelLayout | None = None) -> TransformersModel:
-    """A TransformersModel backend from a model folder (saved with save_pretrained) or a Hub id."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+                      trust_remote_code: bool = False, layout: ParallelLayout | None = None,
+                      tokenizer: str | None = None) -> TransformersModel:
+    """A TransformersModel backend from a model folder (saved with save_pretrained) or a Hub id; `tokenizer`
+    (a folder or Hub id) replaces the checkpoint's own."""
+    from transformers import AutoModelForCausalLM
 
     check_model_dir(path)
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    tokenizer = load_tokenizer(tokenizer or path, path, trust_remote_code=trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code, use_safetensors=_has_safetensors(path)
     )
@@ -47,6 +50,14 @@ def check_model_dir(path: str) -> None:
             f"checkpoint {path} has no weights (looked for {', '.join(WEIGHT_FILES)}). "
             "Fix: point --checkpoint at a folder saved with save_pretrained, or finish copying the checkpoint."
         )
+    config = read_json_file(p / "config.json", f"checkpoint {path}")
+    if "model_type" not in config:
+        raise NanoEvalError(f"checkpoint {path}: {p / 'config.json'} has no model_type, so transformers cannot tell "
+                            "which model it is. Fix: restore config.json from the run that saved the checkpoint.")
+    for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        if (p / index).exists():
+            read_json_file(p / index, f"checkpoint {path}")
+    check_safetensors(sorted(p.glob("*.safetensors")), path)
 
 
 def _has_safetensors(path: str) -> bool | None:

@@ -27,7 +27,7 @@ class LoadOptions:
     backend: str = "transformers"  # "nanotron": nanotron's own model class in tp x pp (GPU + flash-attn)
     tp: int = 1  # tensor-parallel degree (backend "nanotron")
     pp: int = 1  # pipeline-parallel degree (backend "nanotron")
-    tokenizer: str | None = None  # nanotron: default config.yaml's; Megatron: required
+    tokenizer: str | None = None  # replaces the checkpoint's own (nanotron: config.yaml's; Megatron: required)
     device: str = "cpu"
     dtype: str = "float32"  # "float32", "bfloat16" or "float16"
     max_length: int | None = None  # override the model's context length
@@ -51,7 +51,7 @@ def load_backend(path: str, options: LoadOptions = LoadOptions()):
         return megatron_legacy.load_as_transformers(path, o.tokenizer, device=o.device, dtype=o.dtype,
                                                     max_length=o.max_length)
     return load_transformers(path, device=o.device, dtype=o.dtype, max_length=o.max_length,
-                             trust_remote_code=o.trust_remote_code)
+                             trust_remote_code=o.trust_remote_code, tokenizer=o.tokenizer)
 
 
 def fingerprint(path: str | Path) -> str:

@@ -202,13 +202,13 @@ def resolve_iteration_dir(path: str) -> Path:
 def load_as_transformers(checkpoint: str, tokenizer_path: str | None, *, device: str = "cpu", dtype: str = "float32",
                          max_length: int | None = None, megatron_args: dict | None = None):
     """A TransformersModel backend holding the Megatron checkpoint's weights."""
-    from transformers import AutoTokenizer
-
     from nano_eval.backends.transformers import TransformersModel
+    from nano_eval.checkpoints.files import load_tokenizer
 
     if not tokenizer_path:
         raise NanoEvalError(f"checkpoint {checkpoint}: Megatron checkpoints do not hold a tokenizer. "
                             "Fix: pass --tokenizer PATH_OR_HUB_ID (the one the run trained with).")
+    tokenizer = load_tokenizer(tokenizer_path, checkpoint)  # before the weights: a wrong path fails in a second
     model = load_megatron_llama_as_hf(resolve_iteration_dir(checkpoint), megatron_args)
     model = model.to(device=device, dtype=getattr(torch, dtype))
-    return TransformersModel(model, AutoTokenizer.from_pretrained(tokenizer_path), max_length=max_length)
+    return TransformersModel(model, tokenizer, max_length=max_length)

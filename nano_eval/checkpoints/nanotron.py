@@ -25,6 +25,7 @@ import torch
 
 from nano_eval.checkpoints.llama import interleaved_to_half_rotary, llama_from_state_dict
 from nano_eval.compat.nanotron import NUMPY_SCALAR_REPR  # no nanotron import: plain regex
+from nano_eval.checkpoints.files import check_safetensors, load_tokenizer
 from nano_eval.errors import NanoEvalError
 
 _SHARD_SUFFIX = re.compile(r"_pp-rank-\d+-of-\d+_tp-rank-\d+-of-\d+$")
@@ -43,6 +44,7 @@ def read_nanotron_weights(checkpoint: str | Path) -> dict[str, torch.Tensor]:
     files = sorted(root.rglob("*.safetensors"))
     if not files:
         raise NanoEvalError(f"checkpoint {checkpoint} has no model/*.safetensors. Fix: pass a nanotron checkpoint folder.")
+    check_safetensors(files, checkpoint)
     weights: dict[str, torch.Tensor] = {}
     for file in files:
         leaf = _SHARD_SUFFIX.sub("", file.stem).removeprefix("model_")
@@ -118,13 +120,28 @@ def load_nanotron_llama_as_hf(checkpoint: str | Path, model_config: dict | None 
     return llama_from_state_dict(config, state, f"checkpoint {checkpoint}")
 
 
-def read_model_config(checkpoint: str | Path) -> dict:
+def read_config_yaml(checkpoint: str | Path) -> dict:
+    """config.yaml as a dict; a NanoEvalError naming the file and line when it is not valid YAML."""
     import yaml
 
     path = Path(checkpoint) / "config.yaml"
     try:
-        return yaml.safe_load(path.read_text())["model"]["model_config"]
-    except (OSError, KeyError, TypeError) as e:
+        config = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1} column {mark.column + 1})" if mark is not None else ""
+        raise NanoEvalError(f"checkpoint {checkpoint}: {path} is not valid YAML{where}: "
+                            f"{getattr(e, 'problem', None) or e}. Fix: restore config.yaml from the training run.") from e
+    except (OSError, UnicodeDecodeError) as e:
+        raise NanoEvalError(f"checkpoint {checkpoint}: cannot read {path} ({e}).") from e
+    return config if isinstance(config, dict) else {}
+
+
+def read_model_config(checkpoint: str | Path) -> dict:
+    path = Path(checkpoint) / "config.yaml"
+    try:
+        return read_config_yaml(checkpoint)["model"]["model_config"]
+    except (KeyError, TypeError) as e:
         raise NanoEvalError(f"checkpoint {checkpoint}: cannot read model.model_config from {path} ({e}).") from e
 
 
@@ -139,9 +156,7 @@ def tokenizer_path(checkpoint: str, override: str | None) -> str:
     """--tokenizer, else config.yaml's tokenizer.tokenizer_name_or_path."""
     if override:
         return override
-    import yaml
-
-    config = yaml.safe_load((Path(checkpoint) / "config.yaml").read_text()) or {}
+    config = read_config_yaml(checkpoint)
     name = (config.get("tokenizer") or {}).get("tokenizer_name_or_path")
     if not name:
         raise NanoEvalError(
@@ -153,11 +168,9 @@ def tokenizer_path(checkpoint: str, override: str | None) -> str:
 
 def load_as_transformers(checkpoint: str, tokenizer: str | None, *, device: str, dtype: str, max_length: int | None):
     """A TransformersModel backend holding the nanotron checkpoint's weights."""
-    from transformers import AutoTokenizer
-
     from nano_eval.backends.transformers import TransformersModel
 
-    tok = AutoTokenizer.from_pretrained(tokenizer_path(checkpoint, tokenizer))
+    tok = load_tokenizer(tokenizer_path(checkpoint, tokenizer), checkpoint)
     model = load_nanotron_llama_as_hf(checkpoint).to(device=device, dtype=getattr(torch, dtype))
     return TransformersModel(model, tok, max_length=max_length)
 
@@ -194,7 +207,6 @@ def load_native(checkpoint: str, tokenizer: str | None, *, tp: int, pp: int, dty
             f"--backend nanotron needs torchrun with a world size divisible by tp x pp = {tp * pp} "
             f"(WORLD_SIZE={world or 'unset'}). Fix: torchrun --nproc_per_node={tp * pp} nano_eval/run.py ..."
         )
-    from transformers import AutoTokenizer
 
     from nano_eval.backends.nanotron import NanotronModel
     from nano_eval.compat.nanotron import cpu_parallel_context, import_nanotron
@@ -226,5 +238,5 @@ def load_native(checkpoint: str, tokenizer: str | None, *, tp: int, pp: int, dty
     )
     mark_tied_parameters(model=model, parallel_context=pc, parallel_config=parallel)
     load_weights(model=model, parallel_context=pc, root_folder=Path(checkpoint))
-    tok = AutoTokenizer.from_pretrained(tokenizer_path(checkpoint, tokenizer))
+    tok = load_tokenizer(tokenizer_path(checkpoint, tokenizer), checkpoint)
     return NanotronModel(model, pc, tok, max_length=max_length or model_config.max_position_embeddings, device=device)

@@ -91,7 +91,8 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel degree (--backend nanotron)")
     g.add_argument("--pp", type=positive_int, default=1, help="pipeline-parallel degree (--backend nanotron)")
     g.add_argument("--tokenizer", default=None,
-                   help="tokenizer for a nanotron (default: its config.yaml's) or Megatron (required) checkpoint")
+                   help="tokenizer folder or Hub id, for every checkpoint kind (default: the checkpoint's own; "
+                        "nanotron: its config.yaml's; Megatron: required)")
     g.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="where the model runs")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="weights and activations (scores are always computed in fp32)")

@@ -14,6 +14,7 @@ import time
 from nano_eval.cli.options import (Parser, add_model_options, add_run_options, add_task_options, eval_job,
                                    non_negative_float, non_negative_int, positive_float, positive_int)
 from nano_eval.cli.runtime import init_distributed, is_rank_zero, run_command
+from nano_eval.errors import TasksFailedError
 from nano_eval.sweep.runner import SweepOptions, SweepRunner
 
 COMMAND = "nano_eval sweep"
@@ -73,15 +74,26 @@ def sweep_options(args: argparse.Namespace) -> SweepOptions:
 
 
 def main(argv: list[str]) -> int:
+    """Exit codes: 0 every checkpoint done; 1 some checkpoints failed (recorded, the others done); 2 bad input;
+    128 + signal when SIGTERM / SIGINT stopped it after the checkpoint in progress (143 / 130)."""
     args = parse(argv)
 
-    def body() -> None:
+    def body() -> int:
         init_distributed(args.device, args.dist_timeout)
         start = time.perf_counter()
         summary = SweepRunner(eval_job(args, args.tasks), sweep_options(args)).run()
+        table = os.path.join(args.output_dir, "sweep_results.csv")
         if is_rank_zero():
             print(f"\nsweep of {args.run_dir}: {len(summary.evaluated)} evaluated, {len(summary.reused)} reused, "
-                  f"{len(summary.incomplete)} skipped as unfinished, in {time.perf_counter() - start:.1f}s; "
-                  f"table: {os.path.join(args.output_dir, 'sweep_results.csv')}")
+                  f"{len(summary.incomplete)} skipped as unfinished, {len(summary.failed)} failed, in "
+                  f"{time.perf_counter() - start:.1f}s; table: {table}")
+        if summary.signal is not None:
+            return 128 + int(summary.signal)
+        if summary.failed:
+            listed = "; ".join(f"{name} (step {step}): {why}" for step, (name, why) in sorted(summary.failed.items()))
+            raise TasksFailedError(f"{len(summary.failed)} checkpoint(s) failed and were skipped: {listed}. They are "
+                                   f"listed in {table} (column error); rerun the same command once they are fixed "
+                                   "(finished checkpoints are reused).")
+        return 0
 
     return run_command(body, "sweep")

@@ -38,7 +38,9 @@ def file_stem(task: str, metric: str) -> str:
 def write_report(out_dir: str | Path) -> Path:
     """Write `<out>/report/*.png` and `<out>/report/index.html`; returns the HTML path."""
     out = Path(out_dir)
-    rows = read_table(out)
+    everything = read_table(out)
+    rows = [r for r in everything if not r["error"]]
+    failures = [r for r in everything if r["error"]]
     data = curves(rows)
     plot = _png_plotter()
     figures: dict[tuple[str, str], str] = {}  # (task, metric) -> <img> or <svg> markup
@@ -52,7 +54,7 @@ def write_report(out_dir: str | Path) -> Path:
                 figures[task, metric] = f'<img alt="{html.escape(label)}" src="{src}">'
             else:
                 figures[task, metric] = _svg(points, label)
-    page = _html(out, rows, data, figures)
+    page = _html(out, rows, data, figures, failures)
     atomic_write_text(out / REPORT_DIR / HTML_NAME, page)
     return out / REPORT_DIR / HTML_NAME
 
@@ -109,7 +111,7 @@ def _fmt(value, err) -> str:
     return f"{value:.4f}" + (f" ± {err:.4f}" if err is not None else "")
 
 
-def _html(out: Path, rows: list[dict], data: dict, figures: dict) -> str:
+def _html(out: Path, rows: list[dict], data: dict, figures: dict, failures: list[dict]) -> str:
     steps = sorted({(r["step"], r["checkpoint"], r["consumed_tokens"]) for r in rows})
     parts = [
         "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
@@ -121,6 +123,12 @@ def _html(out: Path, rows: list[dict], data: dict, figures: dict) -> str:
         f"<p>{len(steps)} checkpoints, steps {steps[0][0] if steps else '-'} to {steps[-1][0] if steps else '-'}; "
         f"generated {datetime.now(timezone.utc).isoformat(timespec='seconds')}.</p>",
     ]
+    if failures:
+        parts.append('<section data-failed="1"><h2>Failed checkpoints</h2><table><tr><th>checkpoint</th><th>step</th>'
+                     '<th style="text-align:left">error</th></tr>')
+        parts += [f'<tr data-step="{r["step"]}"><td>{html.escape(r["checkpoint"])}</td><td>{r["step"]}</td>'
+                  f'<td style="text-align:left">{html.escape(r["error"])}</td></tr>' for r in failures]
+        parts.append("</table></section>")
     for task, metrics in data.items():
         parts.append(f'<section data-task="{html.escape(task)}"><h2>{html.escape(task)}</h2>')
         for metric in metrics:

@@ -4,15 +4,24 @@ Every rank runs the same loop. Rank 0 alone looks at the file system: it plans e
 to reuse, whether to stop) and broadcasts the plan, so all ranks agree on the work; every rank evaluates (data
 parallel); rank 0 writes `<out>/<checkpoint>/results.json`, the consolidated table, the report and the W&B rows.
 A checkpoint whose results file carries the same evaluation identity (identity.py) is reused, not re-evaluated, so
-a killed sweep restarts where it stopped. SIGINT / SIGTERM stop the loop after the checkpoint in progress.
+a killed sweep restarts where it stopped. SIGINT / SIGTERM stop the loop after the checkpoint in progress
+(`SweepSummary.signal` says which, for the exit code 128 + signal).
+
+Faults: a checkpoint that fails to load or score is recorded (`SweepSummary.failed`, the table's `error` column, the
+report, `eval/failed` in W&B) and skipped; the sweep goes on (and `--watch` keeps watching). The table is rewritten
+after every checkpoint. The output folder is locked for the whole sweep and keeps the settings it was swept with
+(lock.py): a second sweep into it stops with a message, and one with other settings is refused.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
+import signal
 import sys
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -21,14 +30,14 @@ import torch
 import torch.distributed as dist
 
 from nano_eval.checkpoints.load import fingerprint
-from nano_eval.errors import NanoEvalError
+from nano_eval.errors import NanoEvalError, TasksFailedError
 from nano_eval.job import EvalJob, evaluate_checkpoint
 from nano_eval.parallel import any_rank_true
 from nano_eval.sweep.discovery import (Checkpoint, Settler, consumed_tokens, discover, has_marker, is_checkpoint_dir,
                                        missing_parts, select)
 from nano_eval.sweep.identity import evaluation_identity
 from nano_eval.sweep.signals import StopFlag
-from nano_eval.tracking.wandb_logger import WandbLogger, metric_key
+from nano_eval.tracking.wandb_logger import WandbLogger, metric_key, one_line
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,6 +84,8 @@ class SweepSummary:
     reused: list[str] = field(default_factory=list)
     incomplete: list[str] = field(default_factory=list)
     done: dict[int, Path] = field(default_factory=dict)  # step -> results.json
+    failed: dict[int, tuple[str, str]] = field(default_factory=dict)  # step -> (checkpoint name, error)
+    signal: int | None = None  # the signal (SIGINT / SIGTERM) that stopped the sweep early
 
 
 def free_memory() -> None:
@@ -118,18 +129,43 @@ class SweepRunner:
         from nano_eval.sweep.report import write_report
         from nano_eval.sweep.table import write_table
 
-        with StopFlag() as stop:
+        with StopFlag() as stop, self._claim_output():
             try:
                 self.wandb = self._open_wandb() if self.is_main else None
                 self._loop(stop)
             finally:
-                if self.is_main and self.summary.done:
-                    write_table(self.summary.done, self.out)
+                if self.is_main and (self.summary.done or self.summary.failed):
+                    write_table(self.summary.done, self.out, self.summary.failed)
                     if self.options.report:
                         write_report(self.out)
                 if self.wandb is not None:
                     self.wandb.close()
+            if stop.requested:
+                self.summary.signal = stop.signum or signal.SIGTERM  # another rank got it: torchrun forwards SIGTERM
         return self.summary
+
+    @contextlib.contextmanager
+    def _claim_output(self):
+        """Rank 0 locks the output folder and checks its settings (lock.py); every rank raises the same error if
+        that fails, so no rank is left waiting in a collective."""
+        from nano_eval.sweep.identity import identity_settings
+        from nano_eval.sweep.lock import OutputLock, check_settings
+
+        with contextlib.ExitStack() as stack:
+            error = None
+            if self.is_main:
+                try:
+                    stack.enter_context(OutputLock(self.out))
+                    check_settings(self.out, identity_settings(self.job, self.task_keys, self.versions))
+                except NanoEvalError as e:
+                    error = str(e)
+            if self.world > 1:
+                box = [error]
+                dist.broadcast_object_list(box, src=0)
+                error = box[0]
+            if error is not None:
+                raise NanoEvalError(error)
+            yield
 
     def _loop(self, stop: StopFlag) -> None:
         from nano_eval.sweep.report import write_report
@@ -144,14 +180,14 @@ class SweepRunner:
             finished = plan.stop
             for item in plan.work:
                 self._process(item)
+                if self.is_main:  # a killed sweep still leaves an up-to-date table
+                    write_table(self.summary.done, self.out, self.summary.failed)
                 reached = self.options.until_step is not None and item.ckpt.step >= self.options.until_step
                 if reached or self._any_rank(stop.requested):
                     finished = True
                     break
-            if plan.work and self.is_main:
-                write_table(self.summary.done, self.out)  # a killed watch still leaves an up-to-date table
-                if self.options.watch and self.options.report:
-                    write_report(self.out)
+            if plan.work and self.is_main and self.options.watch and self.options.report:
+                write_report(self.out)
             if finished or plan.wait_s is None:
                 return
             stop.sleep(plan.wait_s)
@@ -217,11 +253,14 @@ class SweepRunner:
         return WorkItem(ckpt, identity, fp, tokens, reuse=self._existing_identity(ckpt) == identity)
 
     def _existing_identity(self, ckpt: Checkpoint) -> str | None:
+        """The identity of the results already in the output folder (None if absent, or if some tasks failed:
+        those are evaluated again)."""
         path = self.out / ckpt.name / "results.json"
         try:
-            return json.loads(path.read_text()).get("sweep", {}).get("evaluation_identity")
+            doc = json.loads(path.read_text())
         except (OSError, ValueError):
             return None
+        return None if doc.get("failed_tasks") else doc.get("sweep", {}).get("evaluation_identity")
 
     # ---- one checkpoint -------------------------------------------------------------------------------------------
 
@@ -235,11 +274,16 @@ class SweepRunner:
                       flush=True)
         else:
             start = time.perf_counter()
-            self._evaluate(item)
-            self.summary.evaluated.append(ckpt.name)
-            if self.is_main:
-                print(f"nano_eval: {ckpt.name} (step {ckpt.step}): evaluated in {time.perf_counter() - start:.1f}s",
-                      flush=True)
+            error = self._evaluate(item)
+            if error is not None:
+                self._record_failure(item, error)
+                if not (self.out / ckpt.name / "results.json").exists() or not isinstance(error, TasksFailedError):
+                    return
+            else:
+                self.summary.evaluated.append(ckpt.name)
+                if self.is_main:
+                    print(f"nano_eval: {ckpt.name} (step {ckpt.step}): evaluated in "
+                          f"{time.perf_counter() - start:.1f}s", flush=True)
         results_path = self.out / ckpt.name / "results.json"
         self.summary.done[ckpt.step] = results_path
         # A new W&B run gets the whole curve (reused results too); a resumed run only what this sweep adds.
@@ -248,14 +292,42 @@ class SweepRunner:
         if self.after_checkpoint is not None:
             self.after_checkpoint(ckpt, item.reuse)
 
-    def _evaluate(self, item: WorkItem) -> None:
-        """Load once, score every task, write (rank 0), then drop every reference to the model."""
+    def _evaluate(self, item: WorkItem) -> Exception | None:
+        """Load once, score every task, write (rank 0), then drop every reference to the model. Returns the error
+        if the checkpoint failed on any rank (every rank agrees), else None.
+
+        Limitation: an error on only some ranks while the others wait inside a collective of the evaluation leaves
+        those waiting until --dist-timeout."""
         sweep = {"run_dir": str(self.run_dir.resolve()), "checkpoint_name": item.ckpt.name, "kind": item.ckpt.kind,
                  "fingerprint": item.fingerprint, "evaluation_identity": item.identity}
-        evaluate_checkpoint(self.job, self.tasks, str(item.ckpt.path), self.out / item.ckpt.name, step=item.ckpt.step,
-                            consumed_tokens=item.consumed_tokens, extra={"sweep": sweep},
-                            replace_details=True)  # no stale details from an older evaluation
+        error = None
+        try:
+            evaluate_checkpoint(self.job, self.tasks, str(item.ckpt.path), self.out / item.ckpt.name,
+                                step=item.ckpt.step, consumed_tokens=item.consumed_tokens, extra={"sweep": sweep},
+                                replace_details=True)  # no stale details from an older evaluation
+        except dist.DistBackendError:
+            raise  # a rank that does not answer is not this checkpoint's fault: the command reports it
+        except Exception as e:  # noqa: BLE001 -- recorded and skipped: one broken checkpoint never stops a sweep
+            if dist.is_initialized() and "gloo" in str(e).lower() and "timed out" in str(e).lower():
+                raise  # gloo's collective timeout is a plain RuntimeError
+            error = e
         free_memory()
+        if self._any_rank(error is not None) and error is None:
+            error = RuntimeError("failed on another rank (see its error above)")
+        return error
+
+    def _record_failure(self, item: WorkItem, error: Exception) -> None:
+        ckpt = item.ckpt
+        message = " ".join(str(error).split()) if isinstance(error, NanoEvalError) else one_line(error, limit=1000)
+        self.summary.failed[ckpt.step] = (ckpt.name, message)
+        if not self.is_main:
+            return
+        if not isinstance(error, NanoEvalError):
+            traceback.print_exception(error)
+        print(f"nano_eval: error: checkpoint {ckpt.path} (step {ckpt.step}) failed: {message}; skipped, the sweep "
+              "goes on", file=sys.stderr, flush=True)
+        if self.wandb is not None:
+            self.wandb.log({"eval/failed": 1}, step=ckpt.step, consumed_tokens=item.consumed_tokens)
 
     # ---- W&B (rank 0) ---------------------------------------------------------------------------------------------
 
@@ -274,4 +346,5 @@ class SweepRunner:
         doc = json.loads(results_path.read_text())
         flat = {metric_key("eval", task, name): value for task, metrics in doc["results"].items()
                 for name, value in metrics.items() if not name.endswith("_stderr") and value is not None}
+        flat["eval/failed"] = 1 if doc.get("failed_tasks") else 0
         self.wandb.log(flat, step=doc["step"], consumed_tokens=doc.get("consumed_tokens"))

@@ -16,6 +16,7 @@ class StopFlag:
 
     def __init__(self):
         self.requested = False
+        self.signum: int | None = None  # the first signal received
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> StopFlag:
@@ -32,6 +33,7 @@ class StopFlag:
         if self.requested and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.requested = True
+        self.signum = self.signum or signum
         print(f"nano_eval: {signal.Signals(signum).name} received: stopping after the checkpoint in progress "
               "(press Ctrl-C again to stop now)", file=sys.stderr, flush=True)
 

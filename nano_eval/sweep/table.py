@@ -1,6 +1,8 @@
 """The consolidated sweep table: one row per (checkpoint, task, metric), in step order, as CSV and parquet.
 
-Built from the per-checkpoint results.json files only, so a restarted sweep rebuilds exactly the same table.
+Built from the per-checkpoint results.json files only, so a restarted sweep rebuilds exactly the same table. A
+checkpoint that failed (to load, or some of its tasks to score) adds one row whose `error` column says why (task and
+metric empty); every other row has an empty `error`.
 """
 
 from __future__ import annotations
@@ -14,14 +16,22 @@ from pathlib import Path
 
 from nano_eval.tracking.files import atomic_write_bytes, atomic_write_text
 
-COLUMNS = ("checkpoint", "step", "consumed_tokens", "task", "metric", "value", "stderr")
+COLUMNS = ("checkpoint", "step", "consumed_tokens", "task", "metric", "value", "stderr", "error")
 CSV_NAME, PARQUET_NAME = "sweep_results.csv", "sweep_results.parquet"
 
 
-def table_rows(done: dict[int, Path]) -> list[dict]:
-    """Rows of every finished checkpoint (step -> its results.json), in step order, then task and metric order."""
+def table_rows(done: dict[int, Path], failed: dict[int, tuple[str, str]] | None = None) -> list[dict]:
+    """Rows of every finished checkpoint (step -> its results.json), in step order, then task and metric order;
+    a failed checkpoint (step -> (name, error)) adds its error row first."""
     rows = []
-    for step in sorted(done):
+    failed = failed or {}
+    for step in sorted(set(done) | set(failed)):
+        if step in failed:
+            name, error = failed[step]
+            rows.append({"checkpoint": name, "step": step, "consumed_tokens": None, "task": "", "metric": "",
+                         "value": None, "stderr": None, "error": error})
+        if step not in done:
+            continue
         doc = json.loads(Path(done[step]).read_text())
         name = doc.get("sweep", {}).get("checkpoint_name", Path(done[step]).parent.name)
         for task, metrics in doc["results"].items():
@@ -30,7 +40,7 @@ def table_rows(done: dict[int, Path]) -> list[dict]:
                     continue
                 rows.append({"checkpoint": name, "step": step, "consumed_tokens": doc.get("consumed_tokens"),
                              "task": task, "metric": metric, "value": _num(value),
-                             "stderr": _num(metrics.get(f"{metric}_stderr"))})
+                             "stderr": _num(metrics.get(f"{metric}_stderr")), "error": ""})
     return rows
 
 
@@ -38,10 +48,11 @@ def _num(value) -> float | None:
     return None if value is None or (isinstance(value, float) and math.isnan(value)) else float(value)
 
 
-def write_table(done: dict[int, Path], out_dir: str | Path) -> Path:
-    """Write `sweep_results.csv` (and `.parquet` when pyarrow imports) atomically; returns the CSV path."""
+def write_table(done: dict[int, Path], out_dir: str | Path, failed: dict[int, tuple[str, str]] | None = None) -> Path:
+    """Write `sweep_results.csv` (and `.parquet` when pyarrow imports) atomically, each through a uniquely named
+    temporary file (tracking.files.atomic_write_bytes); returns the CSV path."""
     out = Path(out_dir)
-    rows = table_rows(done)
+    rows = table_rows(done, failed)
     text = io.StringIO()
     writer = csv.DictWriter(text, fieldnames=COLUMNS, lineterminator="\n")
     writer.writeheader()
@@ -60,7 +71,7 @@ def _write_parquet(rows: list[dict], path: Path) -> None:
         return
     schema = pa.schema([("checkpoint", pa.string()), ("step", pa.int64()), ("consumed_tokens", pa.int64()),
                         ("task", pa.string()), ("metric", pa.string()), ("value", pa.float64()),
-                        ("stderr", pa.float64())])
+                        ("stderr", pa.float64()), ("error", pa.string())])
     buffer = io.BytesIO()
     pq.write_table(pa.Table.from_pylist(rows, schema=schema), buffer)
     atomic_write_bytes(path, buffer.getvalue())
@@ -75,4 +86,5 @@ def read_table(out_dir: str | Path) -> list[dict]:
         r["consumed_tokens"] = int(r["consumed_tokens"]) if r["consumed_tokens"] else None
         r["value"] = float(r["value"]) if r["value"] else None
         r["stderr"] = float(r["stderr"]) if r["stderr"] else None
+        r["error"] = r.get("error") or ""
     return rows

@@ -62,10 +62,31 @@ def _load_file(path: Path) -> list[dict]:
         import pyarrow.csv as pcsv
 
         return pcsv.read_csv(path).to_pylist()
-    text = path.read_text(encoding="utf-8")
+    fix = "Fix: repair or remove that line (one JSON object per line)."
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise NanoEvalError(f"data file {path} is not UTF-8 text ({e}). Fix: convert it to UTF-8.") from e
     if path.suffix == ".json" and text.lstrip().startswith("["):
-        return json.loads(text)
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as e:
+            raise NanoEvalError(f"data file {path}: line {e.lineno} column {e.colno}: {e.msg}. Fix: repair the "
+                                "JSON array.") from e
+    rows = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise NanoEvalError(f"data file {path}: line {number} is not valid JSON (column {e.colno}: {e.msg}). "
+                                f"{fix}") from e
+        if not isinstance(row, dict):
+            raise NanoEvalError(f"data file {path}: line {number} is a JSON {type(row).__name__}, not an object. "
+                                f"{fix}")
+        rows.append(row)
+    return rows
 
 
 def _load_saved(path: Path, split: str) -> list[dict] | None:

@@ -201,11 +201,14 @@ def _parse_one(raw: str, suites: frozenset[str]) -> TaskSpec:
 
 
 def load_tasks(specs: str | os.PathLike | Iterable[str], *, custom_tasks: str | os.PathLike | None = None,
-               data_dir: str | os.PathLike | None = None) -> list[tuple[TaskSpec, Task]]:
+               data_dir: str | os.PathLike | None = None,
+               bad_documents: dict[str, str] | None = None) -> list[tuple[TaskSpec, Task]]:
     """Parse `specs`, build their tasks and load every task's evaluation documents (several tasks at a time):
-    [(TaskSpec, Task)] in spec order. Bad specs and missing data fail here, before any model is touched."""
+    [(TaskSpec, Task)] in spec order. Bad specs, missing data and unscorable documents fail here, before any model
+    is touched; with a `bad_documents` dict, tasks with unscorable documents are left out and recorded there
+    ({"suite|task": message}) instead."""
     registry = Registry(custom_tasks=custom_tasks)
     parsed = registry.parse_specs(specs)
     tasks = registry.get_task_dict(parsed, data_dir=data_dir)
-    load_datasets(tasks, processes=min(8, len(tasks)))
-    return [(spec, tasks[spec.full_name]) for spec in parsed]
+    loaded = load_datasets(tasks, processes=min(8, len(tasks)), bad_documents=bad_documents)
+    return [(spec, tasks[spec.full_name]) for spec in parsed if spec.full_name in loaded]

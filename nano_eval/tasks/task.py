@@ -12,6 +12,7 @@ A request type needed by several metrics is requested once; `metric_categories` 
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import os
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
@@ -19,7 +20,7 @@ from typing import Iterable
 
 from tqdm import tqdm
 
-from nano_eval.errors import NanoEvalError
+from nano_eval.errors import BadDocumentError, NanoEvalError
 from nano_eval.tasks.config import TaskConfig
 from nano_eval.tasks.loading import load_split
 from nano_eval.tasks.prompt import PromptManager, doc_identity
@@ -82,6 +83,7 @@ class Task:
                 if doc is None:
                     skipped += 1
                 else:
+                    self._check(doc, split, i)
                     docs.append(doc)
             self.skipped[split] = skipped
             self._docs[split] = docs
@@ -98,6 +100,15 @@ class Task:
                 f"failed on split {split!r} row {index}: {type(e).__name__}: {e}\n  row: {shown}\n"
                 f"Fix the prompt function, or return None from it for rows that should be skipped."
             ) from e
+
+    def _check(self, doc: Doc, split: str, index: int) -> None:
+        """A document the task's requests cannot score stops the run here, before any forward, naming the row and
+        the field (an out-of-range gold index would otherwise fail after all the scoring, naming nothing)."""
+        problem = doc_problem(doc, {m.request_type for m in self.metrics})
+        if problem is not None:
+            raise BadDocumentError(
+                f"task {self.name!r}: split {split!r} row {index}: {problem}. Fix: correct that row of the data or "
+                "the prompt function (which may return None for rows that should not be scored).", task=self.name)
 
     def eval_docs(self) -> list[Doc]:
         """Docs of all evaluation splits in dataset order (deduplicated if the config asks for it)."""
@@ -209,6 +220,37 @@ class Task:
         )
 
 
+CHOICE_TYPES = (RequestType.LOGLIKELIHOOD, RequestType.LOGLIKELIHOOD_SINGLE_TOKEN, RequestType.GREEDY_UNTIL)
+
+
+def doc_problem(doc: Doc, request_types: set) -> str | None:
+    """What makes `doc` unscorable by requests of `request_types` ("field ...: why"), or None.
+
+    Choice tasks (loglikelihood, single token) score every choice as a continuation: choices must be a non-empty list
+    of non-empty strings. Generative tasks compare against the gold choices. Both need gold indices in range.
+    Rolling-loglikelihood tasks score `query`, which must be a non-empty string."""
+    if RequestType.LOGLIKELIHOOD_ROLLING in request_types:
+        if not isinstance(doc.query, str) or not doc.query:
+            return f"field 'query' is {doc.query!r}: perplexity tasks need a non-empty text"
+    if not request_types & set(CHOICE_TYPES):
+        return None
+    choices = doc.choices
+    if not isinstance(choices, (list, tuple)) or not choices:
+        return f"field 'choices' is {choices!r}: this task needs at least one choice"
+    if request_types & {RequestType.LOGLIKELIHOOD, RequestType.LOGLIKELIHOOD_SINGLE_TOKEN}:
+        for i, c in enumerate(choices):
+            if not isinstance(c, str) or not c:
+                return f"field 'choices' item {i} is {c!r}: every choice is scored as a continuation and must be " \
+                       "a non-empty string"
+    golds = doc.gold_index if isinstance(doc.gold_index, (list, tuple)) else [doc.gold_index]
+    if not golds:
+        return "field 'gold_index' is empty: name at least one correct choice"
+    for g in golds:
+        if isinstance(g, bool) or not isinstance(g, numbers.Integral) or not 0 <= g < len(choices):
+            return f"field 'gold_index' holds {g!r}, not an index into the {len(choices)} choices"
+    return None
+
+
 def build_requests(task: Task, num_fewshot: int, seed: int = 0, max_samples: int | None = None):
     """The first `max_samples` eval docs (dataset order) and all their requests; deterministic for every layout.
 
@@ -234,24 +276,48 @@ def build_requests(task: Task, num_fewshot: int, seed: int = 0, max_samples: int
 def _load_task(task: Task) -> list:
     try:
         return task.eval_docs()
-    except NanoEvalError:
+    except BadDocumentError:
         raise
+    except NanoEvalError as e:
+        if str(e).startswith("task "):
+            raise
+        raise NanoEvalError(f"task {task.name!r}: {e}") from e  # a data file's error names the task too
     except Exception as e:
         raise NanoEvalError(f"task {task.name!r}: loading its data failed: {type(e).__name__}: {e}") from e
 
 
-def load_datasets(tasks: Iterable[Task] | dict[str, Task], processes: int = 1) -> dict[str, list]:
+def load_datasets(tasks: Iterable[Task] | dict[str, Task], processes: int = 1,
+                  bad_documents: dict[str, str] | None = None) -> dict[str, list]:
     """Load every task's evaluation docs, `processes` tasks at a time in threads; returns {task name: docs}.
 
-    Threads suffice: the work is file IO and Arrow decoding, which release the GIL.
+    bad_documents: None raises the first BadDocumentError; a dict collects {task name: message} instead and leaves
+    those tasks out of the result (the training hook skips them). Threads suffice: the work is file IO and Arrow
+    decoding, which release the GIL.
     """
     tasks = list(tasks.values()) if isinstance(tasks, dict) else list(tasks)
+
+    def load(task: Task):
+        try:
+            return _load_task(task)
+        except BadDocumentError as e:
+            if bad_documents is None:
+                raise
+            return e
+
     if processes <= 1 or len(tasks) <= 1:
-        return {task.name: _load_task(task) for task in tasks}
-    # datasets' loaders run tqdm's thread_map, whose lock set-up races when no tqdm lock exists yet: one thread deletes
-    # the lock another is about to delete (AttributeError '_lock', seen under torchrun; huggingface/datasets#7660).
-    # With the class-wide lock created first, thread_map only borrows it and never deletes it.
-    tqdm.get_lock()
-    with ThreadPoolExecutor(max_workers=processes, thread_name_prefix="nano_eval-load") as pool:
-        futures = [(task, pool.submit(_load_task, task)) for task in tasks]
-        return {task.name: future.result() for task, future in futures}
+        loaded = [(task, load(task)) for task in tasks]
+    else:
+        # datasets' loaders run tqdm's thread_map, whose lock set-up races when no tqdm lock exists yet: one thread
+        # deletes the lock another is about to delete (AttributeError '_lock', seen under torchrun;
+        # huggingface/datasets#7660). With the class-wide lock created first, thread_map only borrows it.
+        tqdm.get_lock()
+        with ThreadPoolExecutor(max_workers=processes, thread_name_prefix="nano_eval-load") as pool:
+            futures = [(task, pool.submit(load, task)) for task in tasks]
+            loaded = [(task, future.result()) for task, future in futures]
+    out = {}
+    for task, docs in loaded:
+        if isinstance(docs, BadDocumentError):
+            bad_documents[task.name] = str(docs)
+        else:
+            out[task.name] = docs
+    return out

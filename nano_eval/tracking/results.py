@@ -1,7 +1,7 @@
 """The one results document (results.json) and how it is written, for the CLI, sweeps and the training hook.
 
     {schema_version, nano_eval_version, created, [step, consumed_tokens], [checkpoint], layout, config,
-     task_versions, results, num_docs, skipped_docs, truncated_requests, timings, ...extra}
+     task_versions, results, num_docs, skipped_docs, truncated_requests, timings, [failed_tasks], ...extra}
 
 `results` is {task key: {metric: value, metric_stderr: value}}. Written by one rank (global rank 0, or the hook's
 publishing rank): the details files first, results.json last, each atomically, so a results.json that exists
@@ -49,6 +49,8 @@ def results_document(results, *, layout: ParallelLayout, config: Mapping[str, An
         "truncated_requests": {k: tr.truncated_requests for k, tr in tasks.items()},
         "timings": results.timings,
     })
+    if getattr(results, "failed", None):
+        doc["failed_tasks"] = dict(results.failed)  # task key -> why; these tasks have no scores above
     doc.update(extra or {})
     return doc
 

@@ -10,7 +10,8 @@ hook.close()
 
 Every rank calls the hook at the same steps (`should_run` depends on the step only); every rank gets the same
 `HookResults`; global rank 0 (or `publish_rank`) writes `<output_dir>/eval_results.jsonl` (one fsynced line per evaluation),
-`<output_dir>/step_<N>/results.json` (atomic), and logs to W&B / TensorBoard.
+`<output_dir>/step_<N>/results.json` (atomic), and logs to W&B / TensorBoard. A failed evaluation (fail_soft) leaves a
+`{"step", "failed"}` row in the JSONL file and `eval/failed = 1` in W&B.
 
 Training is not changed by an evaluation: the model is scored in eval mode under no_grad and every module's
 train/eval flag is restored; every RNG state (python, numpy, torch CPU, CUDA) is saved before the hook does
@@ -30,6 +31,7 @@ import torch.distributed as dist
 
 from nano_eval.backends.base import Backend, evaluation_mode
 from nano_eval.engine import BatchingConfig
+from nano_eval.errors import BadDocumentError, NanoEvalError
 from nano_eval.evaluator import EvalConfig, EvalResults, Evaluator, TaskResult
 from nano_eval.parallel import any_rank_true
 from nano_eval.tracking.jsonl import append_jsonl
@@ -86,6 +88,7 @@ class EvalHook:
         self.is_publisher = self.layout.rank == config.publish_rank
         self.output_dir = Path(config.output_dir)
         self.failed_steps: list[int] = []
+        self.bad_tasks: dict[str, str] = {}
         self.evaluated_steps: list[int] = []
         self._printed_traceback = False
         self._next_task = 0  # where the next evaluation starts (time-budget rotation)
@@ -137,21 +140,36 @@ class EvalHook:
         return cls(config, TransformersModel(inner, tokenizer, max_length=max_length), **kwargs)
 
     def _build(self, tasks):
+        """(specs, one Evaluator per task). With fail_soft, a task whose documents cannot be scored (bad gold index,
+        no choices, empty continuation) is left out with one warning and the other tasks run; `self.bad_tasks`
+        keeps {task: why}."""
         from nano_eval.tasks import load_tasks
 
+        c = self.config
+        bad: dict[str, str] | None = {} if c.fail_soft else None
         if tasks is None:
-            c = self.config
-            tasks = load_tasks(c.tasks, custom_tasks=c.custom_tasks, data_dir=c.data_dir)
-        specs = [spec for spec, _ in tasks]
-        caps = sample_caps(specs, self.config.max_samples, self.config.max_samples_per_task)
-        batching = BatchingConfig(max_batch_tokens=self.config.batch_tokens, max_batch_size=self.config.max_batch_size)
-        # One Evaluator per task, so that a time budget can stop between tasks.
-        evaluators = [
-            Evaluator(self.backend, [(spec, task)],
-                      EvalConfig(max_samples=cap, seed=self.config.seed, add_bos_token=self.config.add_bos_token,
-                                 batching=batching, progress=self.config.progress))
-            for (spec, task), cap in zip(tasks, caps)
-        ]
+            tasks = load_tasks(c.tasks, custom_tasks=c.custom_tasks, data_dir=c.data_dir, bad_documents=bad)
+        caps = sample_caps([spec for spec, _ in tasks], c.max_samples, c.max_samples_per_task)
+        batching = BatchingConfig(max_batch_tokens=c.batch_tokens, max_batch_size=c.max_batch_size)
+        specs, evaluators = [], []
+        for (spec, task), cap in zip(tasks, caps):  # one Evaluator per task, so a time budget can stop between tasks
+            try:
+                evaluators.append(Evaluator(self.backend, [(spec, task)],
+                                            EvalConfig(max_samples=cap, seed=c.seed, add_bos_token=c.add_bos_token,
+                                                       batching=batching, progress=c.progress)))
+                specs.append(spec)
+            except BadDocumentError as e:  # few-shot documents are checked when the prompts are built
+                if bad is None:
+                    raise
+                bad[task.name] = str(e)
+        self.bad_tasks = bad or {}
+        for name, why in self.bad_tasks.items():
+            if self.layout.rank == c.publish_rank:
+                print(f"nano_eval: warning: task {name} is skipped by the evaluation hook (fail_soft=True): {why}",
+                      file=sys.stderr, flush=True)
+        if not evaluators:
+            raise NanoEvalError(f"no task of {c.tasks!r} can be evaluated: every one has unscorable documents "
+                                "(see the warnings above)")
         return specs, evaluators
 
     # ---- schedule ------------------------------------------------------------------------------------------------
@@ -199,7 +217,7 @@ class EvalHook:
                         error = e
                     failures = self._agree(error)
                 if failures:
-                    self._report(step, error, failures)
+                    self._report(step, consumed_tokens, error, failures)
                     return None
                 self.evaluated_steps.append(step)
                 return results
@@ -214,6 +232,7 @@ class EvalHook:
         scored: dict[str, TaskResult] = {}
         timings: dict[str, float] = {}
         skipped: list[str] = []
+        failed: dict[str, str] = {}
         self._next_task = 0
         for position, index in enumerate(order):
             if position > 0 and budget is not None:
@@ -224,12 +243,13 @@ class EvalHook:
                     break
             result = self._evaluators[index].evaluate(step)
             scored.update(result.tasks)
+            failed.update(result.failed)
             for key, value in result.timings.items():
                 if key not in ("build_s", "evaluate_s"):
                     timings[key] = timings.get(key, 0.0) + value
         timings.update(build_s=self.build_seconds, evaluate_s=time.perf_counter() - start)
         ordered = {s.key: scored[s.key] for s in self.specs if s.key in scored}
-        return HookResults(tasks=ordered, timings=timings, step=step, consumed_tokens=consumed_tokens,
+        return HookResults(tasks=ordered, timings=timings, failed=failed, step=step, consumed_tokens=consumed_tokens,
                            skipped_tasks=skipped)
 
     def _publish(self, results: HookResults, start: float) -> None:
@@ -247,11 +267,14 @@ class EvalHook:
             "time_share": time_share,
             "results": {k: tr.metrics for k, tr in results.tasks.items()},
             "skipped_tasks": results.skipped_tasks,
+            **({"failed_tasks": results.failed} if results.failed else {}),
         })
         flat = self.flat_metrics(results)
         flat[f"{self.config.metric_prefix}/time_s"] = results.time_s
         flat[f"{self.config.metric_prefix}/time_share"] = time_share
         flat[f"{self.config.metric_prefix}/skipped_tasks"] = len(results.skipped_tasks)
+        flat[f"{self.config.metric_prefix}/failed"] = 0  # 1 on the steps whose evaluation failed (see _record_failure)
+        flat[f"{self.config.metric_prefix}/failed_tasks"] = len(results.failed)
         if self.wandb is not None:
             self.wandb.log(flat, step=step, consumed_tokens=results.consumed_tokens)
         if self.tensorboard is not None:
@@ -295,7 +318,8 @@ class EvalHook:
         dist.all_gather_object(parts, local)
         return [(rank, message) for rank, message in enumerate(parts) if message is not None]
 
-    def _report(self, step: int, error: BaseException | None, failures: list[tuple[int, str]]) -> None:
+    def _report(self, step: int, consumed_tokens: int | None, error: BaseException | None,
+                failures: list[tuple[int, str]]) -> None:
         self.failed_steps.append(step)
         if error is not None:  # the failing rank: full traceback once, later ones at debug level
             tb = "".join(traceback.format_exception(error))
@@ -310,6 +334,23 @@ class EvalHook:
             raise EvalHookError(message) from error
         if self.is_publisher:
             print(f"nano_eval: warning: {message}; training continues (fail_soft=True)", file=sys.stderr, flush=True)
+            self._record_failure(step, consumed_tokens, message)
+
+    def _record_failure(self, step: int, consumed_tokens: int | None, message: str) -> None:
+        """Publisher, fail_soft: the failed step leaves a trace where the results would have gone: a JSONL row
+        `{"step", "consumed_tokens", "failed": why}` and `eval/failed = 1` in W&B / TensorBoard. Never raises (a
+        full disk must not stop training either)."""
+        try:
+            append_jsonl(self.output_dir / JSONL_NAME, {"step": step, "consumed_tokens": consumed_tokens,
+                                                        "failed": message})
+        except Exception as e:  # noqa: BLE001
+            print(f"nano_eval: warning: could not record the failure in {self.output_dir / JSONL_NAME}: "
+                  f"{one_line(e)}", file=sys.stderr, flush=True)
+        flat = {f"{self.config.metric_prefix}/failed": 1}
+        if self.wandb is not None:
+            self.wandb.log(flat, step=step, consumed_tokens=consumed_tokens)
+        if self.tensorboard is not None:
+            self.tensorboard.log(flat, step=step)
 
     # ---- end -----------------------------------------------------------------------------------------------------
 

@@ -101,8 +101,16 @@ class MegatronEvalHook:
         self.hook: EvalHook | None = None
         self.backend = None
         self.last: tuple[int, HookResults | None] | None = None  # (step, its results) of the latest evaluation
-        # before training: bad specs and missing data fail here, at once
-        self.tasks = load_tasks(config.tasks, custom_tasks=config.custom_tasks, data_dir=config.data_dir)
+        # before training: bad specs and missing data fail here, at once; with fail_soft a task with unscorable
+        # documents is skipped with a warning (as EvalHook does), otherwise it fails here too
+        bad: dict[str, str] | None = {} if config.fail_soft else None
+        self.tasks = load_tasks(config.tasks, custom_tasks=config.custom_tasks, data_dir=config.data_dir,
+                                bad_documents=bad)
+        self.bad_tasks = bad or {}
+        if not dist.is_initialized() or dist.get_rank() == config.publish_rank:
+            for name, why in self.bad_tasks.items():
+                print(f"nano_eval: warning: task {name} is skipped by the evaluation hook (fail_soft=True): {why}",
+                      file=sys.stderr, flush=True)
 
     def __call__(self, model) -> HookResults | None:
         """Called by Megatron's evaluate() on every rank. Returns the results (None if it failed, fail_soft); a
