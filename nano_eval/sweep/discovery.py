@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import json
 import re
-import struct
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from nano_eval.checkpoints.files import safetensors_problem
 
 NANOTRON_LATEST = "latest.txt"
 MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
@@ -149,17 +150,11 @@ def _hf_missing(path: Path) -> str | None:
 
 
 def _truncated_safetensors(folder: Path) -> str | None:
-    """A safetensors file is complete when its size is 8 + header length + the end of its last tensor."""
+    """The first safetensors file under `folder` whose size disagrees with its header (still being written?)."""
     for f in sorted(folder.rglob("*.safetensors")):
-        try:
-            with f.open("rb") as fh:
-                (n,) = struct.unpack("<Q", fh.read(8))
-                header = json.loads(fh.read(n))
-        except (OSError, ValueError, struct.error):
-            return f"{f.name} has an incomplete header"
-        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-        if f.stat().st_size != 8 + n + end:
-            return f"{f.name} is shorter or longer than its header says (still being written?)"
+        problem = safetensors_problem(f)
+        if problem is not None:
+            return f"{problem} (still being written?)"
     return None
 
 
