@@ -39,7 +39,8 @@ def _assert_same_scores(a: Path, b: Path, atol=1e-5):
     assert da.keys() == db.keys()
     for name in da:
         for x, y in zip(da[name], db[name], strict=True):
-            assert x["logprobs"] == pytest.approx(y["logprobs"], abs=atol)
+            # rolling perplexity logs a document's summed log-prob (hundreds of nats): fp32 sums agree to ~1e-8 relative
+            assert x["logprobs"] == pytest.approx(y["logprobs"], rel=1e-7, abs=atol)
             assert x.get("predictions") == y.get("predictions")
 
 

