@@ -114,7 +114,7 @@ def tp2(tmp_path_factory, toy_checkpoint):
 
 
 def check_training_is_bitwise_identical(runs):
-    losses = {k: [r["lm_loss"] for r in read_run(runs[k])[0] if "lm_loss" in r] for k in ("with", "without")}
+    losses = {k: [r["lm_loss"] for r in read_run(runs[k], finished=False)[0] if "lm_loss" in r] for k in ("with", "without")}
     assert len(losses["with"]) == STEPS and len(set(losses["with"])) > 1
     assert losses["with"] == losses["without"]  # exact float equality, every step
 
@@ -125,13 +125,13 @@ def check_evaluations_and_wandb_rows(runs):
     rows = read_jsonl(runs["with"] / "eval" / "eval_results.jsonl")
     assert [r["step"] for r in rows] == [2, 3, 4]  # interval 2 -> 2, 4; on_save -> 3
     assert [r["consumed_tokens"] for r in rows] == expected_tokens
-    history, step_metrics = read_run(runs["with"])
+    history, step_metrics = read_run(runs["with"], finished=False)
     assert step_metrics["eval/*"] == "iteration_step"
     assert [r["iteration_step"] for r in history if "lm_loss" in r] == list(range(1, STEPS + 1))
     eval_rows = [r for r in history if "eval/demo|arithmetic|0/acc" in r]
     assert [r["iteration_step"] for r in eval_rows] == [2, 3, 4]
     assert [r["consumed_tokens"] for r in eval_rows] == expected_tokens
-    assert not any("eval/demo|arithmetic|0/acc" in r for r in read_run(runs["without"])[0])
+    assert not any("eval/demo|arithmetic|0/acc" in r for r in read_run(runs["without"], finished=False)[0])
 
 
 def live_and_posthoc(runs, native: bool) -> tuple[dict, dict]:

@@ -45,14 +45,25 @@ def read_wandb_records(path: Path):
             yield record
 
 
-def read_run(root: Path) -> tuple[list[dict], dict[str, str]]:
-    """(history rows, {metric name or glob: step metric}) of the single offline run under `root`."""
+def read_run(root: Path, finished: bool = True) -> tuple[list[dict], dict[str, str]]:
+    """(history rows, {metric name or glob: step metric}) of the single offline run under `root`.
+
+    finished: the run was closed with run.finish(), so its log ends with an exit record. nanotron 0.4's trainer never
+    finishes its run (the process just exits): then wait until the log stops growing instead."""
     files = list(root.glob("wandb/offline-run-*/run-*.wandb"))
     assert len(files) == 1, files
     # wandb's service process may still be writing the log after run.finish() returned (seen on a loaded machine:
-    # a 7-byte file): wait for the run's exit record.
-    deadline = time.monotonic() + 60
-    while not any(r.WhichOneof("record_type") == "exit" for r in read_wandb_records(files[0])):
+    # a 7-byte file).
+    deadline, size, stable_since = time.monotonic() + 60, -1, time.monotonic()
+    while True:
+        if finished and any(r.WhichOneof("record_type") == "exit" for r in read_wandb_records(files[0])):
+            break
+        if not finished:
+            now_size = files[0].stat().st_size
+            if now_size != size:
+                size, stable_since = now_size, time.monotonic()
+            elif time.monotonic() - stable_since > 2:
+                break
         assert time.monotonic() < deadline, f"{files[0]} has no exit record after 60 s"
         time.sleep(0.1)
     rows, step_metrics = [], {}
