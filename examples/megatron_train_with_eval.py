@@ -11,11 +11,14 @@ What it shows, in the order Megatron-LM's `train()` / `evaluate()` do it:
   rank; after training, the validation set and then the test set are evaluated at the last iteration (nano_eval
   scores that iteration once and returns the same results the second time);
 - W&B (offline here) lives on the last rank, as Megatron-LM's writer does, and every row is logged at
-  `step=iteration`; nano_eval publishes from that rank into that run.
+  `step=iteration`; nano_eval publishes from that rank into that run;
+- at the end (and every --save-interval iterations) `save_checkpoint` writes Megatron-LM's legacy checkpoint
+  (`--ckpt-format torch --no-save-optim --no-save-rng`), which `nano_eval --checkpoint` scores like the live model.
 Megatron-LM's own `pretrain(..., non_loss_data_func=hook)` does all of this for you; this script spells it out
 with megatron-core alone so that it runs anywhere. Without a GPU it runs on CPU/gloo through the test double
 tests/megatron_cpu.py (megatron-core has a few CUDA-only calls); with GPUs it uses nccl and nothing is patched.
-Outputs: <output-dir>/eval_results.jsonl (one line per evaluated iteration), <output-dir>/step_<N>/results.json.
+Outputs: <output-dir>/eval_results.jsonl (one line per evaluated iteration), <output-dir>/step_<N>/results.json,
+<output-dir>/checkpoints/iter_<N:07d>/ (+ latest_checkpointed_iteration.txt), <output-dir>/tokenizer/.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ def parse_args() -> Namespace:
     p.add_argument("--pp", type=int, default=2)
     p.add_argument("--train-iters", type=int, default=60)
     p.add_argument("--eval-interval", type=int, default=20)
+    p.add_argument("--save-interval", type=int, default=0, help="also checkpoint every N iterations (0: at the end)")
     p.add_argument("--global-batch-size", type=int, default=8)
     p.add_argument("--micro-batch-size", type=int, default=2)
     p.add_argument("--seq-length", type=int, default=64)
@@ -75,6 +79,30 @@ def build_model(args, vocab_size: int) -> list:
                      pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
                      share_embeddings_and_output_weights=False, parallel_output=True)
     return [model.cuda() if torch.cuda.is_available() else model]
+
+
+def save_checkpoint(model, margs: Namespace, root: Path, iteration: int) -> None:
+    """Megatron-LM's legacy save (no optimizer, no RNG state): the first DP replica of every TP x PP rank writes
+    root/iter_%07d/mp_rank_{tp:02d}[_{pp:03d}]/model_optim_rng.pt = {args, checkpoint_version, iteration, model};
+    then rank 0 writes the tracker root/latest_checkpointed_iteration.txt. Each file is written whole, then renamed."""
+    from megatron.core import parallel_state as ps
+
+    name = f"mp_rank_{ps.get_tensor_model_parallel_rank():02d}"
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        name += f"_{ps.get_pipeline_model_parallel_rank():03d}"
+    path = root / f"iter_{iteration:07d}" / name / "model_optim_rng.pt"
+    if ps.get_data_parallel_rank() == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        margs.iteration = iteration
+        torch.save({"args": margs, "checkpoint_version": 3.0, "iteration": iteration,
+                    "model": model[0].state_dict_for_save_checkpoint()}, path.with_suffix(".tmp"))
+        os.replace(path.with_suffix(".tmp"), path)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        tracker = root / "latest_checkpointed_iteration.txt"
+        tracker.with_suffix(".tmp").write_text(str(iteration))
+        os.replace(tracker.with_suffix(".tmp"), tracker)
+    dist.barrier()
 
 
 def batches(tokenizer, seed: int, n: int, seq: int, device) -> list:
@@ -145,9 +173,20 @@ def main() -> None:
     schedule = get_forward_backward_func()
     n_micro = args.global_batch_size // (args.micro_batch_size * dp)
 
-    # Megatron-LM's args: the fields train() maintains and the hook reads (Megatron-LM: megatron.training.get_args)
+    # Megatron-LM's args (megatron.training.get_args): the fields train() maintains and the hook reads, and the
+    # model's description that save_checkpoint pickles with the weights (Megatron-LM's argument names)
     margs = Namespace(iteration=0, curr_iteration=0, consumed_train_samples=0, seq_length=args.seq_length,
-                      global_batch_size=args.global_batch_size, skip_train=False)
+                      global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
+                      skip_train=False, num_layers=config.num_layers, hidden_size=config.hidden_size,
+                      ffn_hidden_size=config.ffn_hidden_size, num_attention_heads=config.num_attention_heads,
+                      group_query_attention=True, num_query_groups=config.num_query_groups,
+                      kv_channels=config.kv_channels, max_position_embeddings=args.seq_length,
+                      padded_vocab_size=model[0].module.vocab_size, normalization="RMSNorm",
+                      norm_epsilon=config.layernorm_epsilon, swiglu=True, position_embedding_type="rope",
+                      rotary_base=10000, rotary_percent=1.0, rotary_interleaved=False,
+                      untie_embeddings_and_output_weights=True, add_bias_linear=False, add_qkv_bias=False,
+                      qk_layernorm=False, tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
+                      params_dtype=torch.float32, ckpt_format="torch")
     wandb_writer = None
     if rank == world - 1 and args.wandb_mode != "disabled":  # Megatron-LM's _set_wandb_writer: the last rank
         try:
@@ -198,6 +237,11 @@ def main() -> None:
             wandb_writer.log({"lm loss": sum(losses) / len(losses)}, iteration)
         if iteration % args.eval_interval == 0:
             evaluate(iteration, "validation", seed=-1)
+        if args.save_interval and iteration % args.save_interval == 0 and iteration < args.train_iters:
+            save_checkpoint(model, margs, out / "checkpoints", iteration)
+    save_checkpoint(model, margs, out / "checkpoints", iteration)  # as pretrain() saves after training
+    if rank == 0:
+        tokenizer.save_pretrained(out / "tokenizer")  # Megatron stores none; nano_eval --checkpoint needs one
     evaluate(iteration, "validation", seed=-1)  # after training: validation set, then test set
     evaluate(iteration, "test", seed=-2)
     hook.close()
