@@ -20,8 +20,9 @@ def toy_backend(toy_checkpoint):
 @pytest.fixture(scope="session")
 def megatron_world(toy_checkpoint, tmp_path_factory):
     """One spawned world of 4 ranks running megatron-core's real GPTModel in every layout of
-    tests/megatron_worker.py (scores, two torch_dist saves and a legacy one, a Megatron-style training run with the
-    hook); shared by tests/test_megatron.py and tests/test_megatron_dist_ckpt.py so it is paid once."""
+    tests/megatron_worker.py (scores, two torch_dist saves, a legacy one and the example's, a Megatron-style
+    training run with the hook); shared by tests/test_megatron.py and tests/test_megatron_dist_ckpt.py so it is
+    paid once."""
     pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'nano_eval[megatron]')")
     from tests.dist_utils import run_distributed
     from tests.megatron_worker import all_layouts

@@ -83,7 +83,20 @@ def score_layout(name, tokenizer_dir, root: Path) -> dict:
         if pp == 1:
             args.ckpt_format = "torch"
             save_legacy_checkpoint(chunks[0], args, root / "legacy", ITERATION)
+    if name == "tp2xpp2-sequence-parallel":  # the example's own legacy save, mp_rank_{tp:02d}_{pp:03d}
+        example_save_checkpoint()(chunks, megatron_args(GPTConfig(), tp=tp, pp=pp), root / "example", ITERATION)
     return out
+
+
+def example_save_checkpoint():
+    """`save_checkpoint` of examples/megatron_train_with_eval.py (a script, not a package: loaded by path)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "megatron_train_with_eval.py"
+    spec = importlib.util.spec_from_file_location("megatron_train_with_eval", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.save_checkpoint
 
 
 def all_layouts(rank, world, tokenizer_dir, root, wandb_dir):

@@ -136,6 +136,21 @@ def test_legacy_checkpoint_converts_exactly_and_scores_alike(world, toy_checkpoi
                        "legacy")
 
 
+def test_example_legacy_save_scores_like_the_live_model(world, toy_checkpoint):
+    """examples/megatron_train_with_eval.py's save_checkpoint from the live tp2 x pp2 model: one
+    mp_rank_{tp:02d}_{pp:03d} shard per rank and the tracker; the run dir scores like the live model."""
+    from nano_eval.checkpoints.megatron_legacy import load_as_transformers
+    from tests.nanotron_worker import summarize
+
+    run_dir = world["root"] / "example"
+    assert (run_dir / "latest_checkpointed_iteration.txt").read_text() == str(ITERATION)
+    assert sorted(p.name for p in (run_dir / ITER).iterdir()) == [
+        "mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
+    backend = load_as_transformers(str(run_dir), str(toy_checkpoint))
+    assert_same_scores(world["ranks"][0]["tp2xpp2-sequence-parallel"]["scores"],
+                       summarize(backend, TASKS, BATCH_TOKENS, MAX_SAMPLES), "example's legacy save")
+
+
 # ---- the hook inside a Megatron-style training run -----------------------------------------------------------
 
 def test_training_losses_are_bitwise_identical_with_the_hook(world):
