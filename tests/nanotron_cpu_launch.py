@@ -22,3 +22,7 @@ if __name__ == "__main__":
     install(trainer=True)
     script, sys.argv = sys.argv[1], sys.argv[1:]
     runpy.run_path(script, run_name="__main__")
+    # nanotron 0.4's trainer never finishes its W&B run; at process exit wandb's service may not have written the
+    # offline log yet (seen: a run without the eval section left no lm_loss rows). Close it as a real job's exit would.
+    if "wandb" in sys.modules and sys.modules["wandb"].run is not None:
+        sys.modules["wandb"].run.finish()
