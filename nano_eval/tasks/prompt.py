@@ -58,7 +58,7 @@ class PromptManager:
         """The full prompt for `doc`; with 0 shots exactly `instruction + query`."""
         examples = self.fewshot_examples(doc, doc_index, num_fewshot, seed)
         shots = [self.doc_to_text(ex) + self.doc_to_target(ex) for ex in examples]
-        return doc.instruction + "".join(s + "\n\n" for s in shots) + self.doc_to_text(doc)
+        return (doc.instruction or "") + "".join(s + "\n\n" for s in shots) + self.doc_to_text(doc)
 
     def fewshot_examples(self, doc: Doc, doc_index: int, num_fewshot: int, seed: int = 0) -> list[Doc]:
         """`num_fewshot` pool docs for `doc` (never `doc` itself); NanoEvalError if the pool is too small."""

@@ -55,7 +55,7 @@ class Task:
         self.name = f"{suite or config.suite[0]}|{config.name}"
         self.version = config.version
         self.skipped: dict[str, int] = {}  # split -> rows the prompt function returned None for
-        self._docs: dict[str, list[Doc]] = {}
+        self._docs: dict[tuple[str, bool], list[Doc]] = {}  # (split, as few-shot examples) -> docs
         self._metrics = None
 
     def __repr__(self) -> str:
@@ -73,19 +73,29 @@ class Task:
     def aggregation(self) -> dict:
         return {m.name: m for m in self.metrics}
 
-    def split_docs(self, split: str) -> list[Doc]:
-        """The docs of one split, cached; rows the prompt function maps to None are skipped and counted."""
-        if split not in self._docs:
+    def split_docs(self, split: str, few_shots: bool = False) -> list[Doc]:
+        """The docs of one split, cached; rows the prompt function maps to None are skipped and counted.
+
+        As lighteval does, the prompt function sees each row with two extra keys: `__few_shots` (True when the doc
+        will serve as a few-shot example: lighteval's PIQA prompt then gives the solution texts as choices) and
+        `__index` (the row's position in the split); a doc without an `id` gets that position as its id.
+        """
+        if (split, few_shots) not in self._docs:
             docs, skipped = [], 0
             for i, row in enumerate(load_split(self.config, split, self.data_dir)):
-                doc = self._prompt(row, split, i)
-                if doc is None:
+                doc = self._prompt({**row, "__few_shots": few_shots, "__index": i}, split, i)
+                if doc is None or doc == []:
                     skipped += 1
-                else:
-                    docs.append(doc)
-            self.skipped[split] = skipped
-            self._docs[split] = docs
-        return self._docs[split]
+                    continue
+                if getattr(doc, "images", None):
+                    raise NanoEvalError(f"task {self.name!r}: the prompt function returned a Doc with `images`; "
+                                        "nano_eval scores text-only models: drop the images or the task")
+                doc.id = doc.id or str(i)
+                docs.append(doc)
+            if not few_shots:
+                self.skipped[split] = skipped
+            self._docs[(split, few_shots)] = docs
+        return self._docs[(split, few_shots)]
 
     def _prompt(self, row: dict, split: str, index: int) -> Doc | None:
         try:
@@ -128,7 +138,7 @@ class Task:
                 f"(hf_avail_splits={list(self.config.hf_avail_splits)}); set few_shots_split or use num_fewshot=0"
             )
         try:
-            return [d for split in splits for d in self.split_docs(split)]
+            return [d for split in splits for d in self.split_docs(split, few_shots=True)]
         except NanoEvalError as e:
             raise NanoEvalError(
                 f"{e}\n(Few-shot examples come from split(s) {splits}: set few_shots_split in the task config to "
