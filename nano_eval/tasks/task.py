@@ -219,8 +219,12 @@ class Task:
         )
 
 
-def build_requests(task: Task, num_fewshot: int, seed: int = 0, max_samples: int | None = None):
+def build_requests(task: Task, num_fewshot: int, seed: int = 0, max_samples: int | None = None, *,
+                   system_prompt: str | None = None, chat=None):
     """The first `max_samples` eval docs (dataset order) and all their requests; deterministic for every layout.
+
+    `system_prompt` and `chat` (messages -> text, the tokenizer's chat template) shape each context as described in
+    nano_eval.tasks.prompt; perplexity documents are scored as they are, without either.
 
     Docs are copied with `task_name` set to the results key "suite|task|k", so the same task at two shot counts
     gives distinct request keys. Perplexity-only tasks ignore `num_fewshot` (and load no few-shot data).
@@ -234,7 +238,8 @@ def build_requests(task: Task, num_fewshot: int, seed: int = 0, max_samples: int
     key = f"{task.name}|{num_fewshot}"
     out_docs, requests = [], []
     for i, doc in enumerate(docs):
-        context = prompts.make_context(doc, i, shots, seed)
+        context = (prompts.make_context(doc, i, shots, seed, system_prompt, chat) if task.uses_fewshot
+                   else prompts.make_context(doc, i, 0, seed))
         doc = dataclasses.replace(doc, task_name=key)
         out_docs.append(doc)
         requests += task.construct_requests(doc, context, i)

@@ -148,6 +148,8 @@ class EvalHook:
         evaluators = [
             Evaluator(self.backend, [(spec, task)],
                       EvalConfig(max_samples=cap, seed=self.config.seed, add_bos_token=self.config.add_bos_token,
+                                 use_chat_template=self.config.use_chat_template,
+                                 system_prompt=self.config.system_prompt,
                                  batching=batching, progress=self.config.progress))
             for (spec, task), cap in zip(tasks, caps)
         ]
@@ -272,7 +274,8 @@ class EvalHook:
         c = self.config
         config = {"tasks": c.tasks, "max_samples": c.max_samples,
                   "max_samples_per_task": dict(c.max_samples_per_task or {}), "seed": c.seed,
-                  "add_bos_token": c.add_bos_token, "batch_tokens": c.batch_tokens, "max_batch_size": c.max_batch_size,
+                  "add_bos_token": c.add_bos_token, "use_chat_template": c.use_chat_template,
+                  "system_prompt": c.system_prompt, "batch_tokens": c.batch_tokens, "max_batch_size": c.max_batch_size,
                   "time_budget_s": c.time_budget_s}
         return results_document(results, layout=self.layout, config=config, step=results.step,
                                 consumed_tokens=results.consumed_tokens,
