@@ -18,6 +18,7 @@ from nano_eval.generate import GenerationResult
 from nano_eval.response import ModelResponse
 from nano_eval.tasks import Task, TaskSpec, build_requests
 from nano_eval.tasks.requests import Doc, Request, RequestType
+from nano_eval.tokenization import chat_renderer
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -29,6 +30,9 @@ class EvalConfig:
     # BOS before every context: None = the tokenizer's own choice (lm-evaluation-harness's default), True / False
     # force it (see nano_eval.tokenization). Changes scores.
     add_bos_token: bool | None = None
+    # Contexts as a conversation rendered by the tokenizer's chat template (instruct models); off for base models.
+    use_chat_template: bool = False
+    system_prompt: str | None = None  # first thing in every context (the system turn with a chat template)
     batching: BatchingConfig = field(default_factory=BatchingConfig)
     progress: bool = True
 
@@ -82,8 +86,10 @@ class Evaluator:
         self.engine = Engine(backend, config.batching, progress=config.progress, add_bos_token=config.add_bos_token)
         self.prepared: list[_PreparedTask] = []
         by_type: dict[RequestType, list[Request]] = defaultdict(list)
+        chat = chat_renderer(backend.tokenizer) if config.use_chat_template else None
         for spec, task in tasks:
-            docs, requests = build_requests(task, spec.num_fewshot, seed=config.seed, max_samples=config.max_samples)
+            docs, requests = build_requests(task, spec.num_fewshot, seed=config.seed, max_samples=config.max_samples,
+                                            system_prompt=config.system_prompt, chat=chat)
             self.prepared.append(_PreparedTask(spec, task, docs, requests))
             for r in requests:
                 by_type[r.request_type].append(r)

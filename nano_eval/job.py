@@ -34,6 +34,8 @@ class EvalJob:
             "max_samples": self.eval.max_samples,
             "seed": self.eval.seed,
             "add_bos_token": self.eval.add_bos_token,
+            "use_chat_template": self.eval.use_chat_template,
+            "system_prompt": self.eval.system_prompt,
             "batch_tokens": self.eval.batching.max_batch_tokens,
             "max_batch_size": self.eval.batching.max_batch_size,
             "dtype": self.load.dtype,

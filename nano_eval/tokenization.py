@@ -26,7 +26,7 @@ Rules (one method each below):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from nano_eval.errors import NanoEvalError
 
@@ -126,3 +126,18 @@ def _eos_ids(eos: int | None, generation_config: Any) -> frozenset[int]:
 
 def _name(tokenizer) -> str:
     return repr(getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__)
+
+
+def chat_renderer(tokenizer) -> Callable[[list[dict]], str]:
+    """messages -> prompt text with the tokenizer's own chat template, ending with the assistant's turn opener
+    (`add_generation_prompt=True`, as lighteval and lm-eval do). NanoEvalError when the tokenizer has no template."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise NanoEvalError(
+            f"--use-chat-template (use_chat_template=True) needs a chat template, but tokenizer {_name(tokenizer)} has "
+            "none. Fix: leave the option off for a base model, or use the instruct model's tokenizer (its "
+            "tokenizer_config.json carries `chat_template`).")
+
+    def render(messages: list[dict]) -> str:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    return render

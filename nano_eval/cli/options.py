@@ -113,6 +113,11 @@ def add_task_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-samples", type=positive_int, default=None,
                    help="evaluate the first K documents of each task (default: all)")
     g.add_argument("--seed", type=int, default=0, help="few-shot sampling seed")
+    g.add_argument("--use-chat-template", action="store_true",
+                   help="build each context as a conversation with the tokenizer's chat template (instruct models; "
+                        "off by default, for base models); changes scores")
+    g.add_argument("--system-prompt", default=None,
+                   help="text put first in every context (the system turn with --use-chat-template); changes scores")
 
 
 def add_run_options(p: argparse.ArgumentParser) -> None:
@@ -139,6 +144,7 @@ def eval_job(args: argparse.Namespace, tasks: str, *, progress: bool = True) -> 
         tasks=tasks, custom_tasks=args.custom_tasks, data_dir=args.data_dir, output_dir=args.output_dir,
         details=not args.no_details, load=load_options(args),
         eval=EvalConfig(max_samples=args.max_samples, seed=args.seed, add_bos_token=args.add_bos_token,
+                        use_chat_template=args.use_chat_template, system_prompt=args.system_prompt,
                         batching=batching, progress=progress),
     )
 

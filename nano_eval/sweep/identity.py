@@ -1,7 +1,7 @@
 """What makes two evaluations of a checkpoint the same: used to skip checkpoints a previous sweep already scored.
 
-evaluation identity = hash(task keys in order, task versions, max_samples, seed, add_bos_token, dtype, max_length, tokenizer,
-results schema version, checkpoint fingerprint). Batch sizes and world size are left out: they never change scores.
+evaluation identity = hash(task keys in order, task versions, max_samples, seed, add_bos_token, use_chat_template,
+system_prompt, dtype, max_length, tokenizer, results schema version, checkpoint fingerprint). Batch sizes and world size are left out: they never change scores.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ def identity_settings(job: EvalJob, task_keys: list[str], task_versions: dict[st
         "max_samples": job.eval.max_samples,
         "seed": job.eval.seed,
         "add_bos_token": job.eval.add_bos_token,
+        "use_chat_template": job.eval.use_chat_template,
+        "system_prompt": job.eval.system_prompt,
         "dtype": job.load.dtype,
         "max_length": job.load.max_length,
         "tokenizer": job.load.tokenizer,

@@ -1,7 +1,10 @@
 """Few-shot selection and context building, in lm-eval's format so scores match lm-eval's.
 
 A context is `instruction + ex_1 + "\\n\\n" + ... + ex_k + "\\n\\n" + query`, where each example is its query
-followed by its gold choice (choices carry their own leading space). The examples chosen for a document depend only
+followed by its gold choice (choices carry their own leading space); a system prompt goes first, followed by
+"\\n\\n". With a chat template the same parts become a conversation (lighteval's layout): the system prompt as the
+system turn, each example as a user turn (its query) and an assistant turn (its gold choice), the instruction at the
+start of the first user turn, the document's query as the last user turn; the template renders it as text. The examples chosen for a document depend only
 on (task name, document index, seed): never on world size, rank, batching or the order documents are visited, so
 every layout of the same run sees the same prompts.
 """
@@ -11,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import random
 from collections import defaultdict
+from typing import Callable
 
 from nano_eval.errors import NanoEvalError
 from nano_eval.tasks.requests import Doc
@@ -54,11 +58,28 @@ class PromptManager:
     def doc_to_fewshot_sorting_class(cls, doc: Doc) -> str:
         return doc.fewshot_sorting_class if doc.fewshot_sorting_class is not None else cls.doc_to_target(doc)
 
-    def make_context(self, doc: Doc, doc_index: int, num_fewshot: int, seed: int = 0) -> str:
-        """The full prompt for `doc`; with 0 shots exactly `instruction + query`."""
+    def make_context(self, doc: Doc, doc_index: int, num_fewshot: int, seed: int = 0, system_prompt: str | None = None,
+                     chat: Callable[[list[dict]], str] | None = None) -> str:
+        """The full prompt for `doc`; with 0 shots and no system prompt or chat template exactly `instruction + query`.
+
+        `chat` renders a list of {"role", "content"} messages as text (the tokenizer's chat template)."""
         examples = self.fewshot_examples(doc, doc_index, num_fewshot, seed)
+        if chat is not None:
+            return chat(self.chat_messages(doc, examples, system_prompt))
         shots = [self.doc_to_text(ex) + self.doc_to_target(ex) for ex in examples]
-        return doc.instruction + "".join(s + "\n\n" for s in shots) + self.doc_to_text(doc)
+        head = f"{system_prompt}\n\n" if system_prompt else ""
+        return head + (doc.instruction or "") + "".join(s + "\n\n" for s in shots) + self.doc_to_text(doc)
+
+    def chat_messages(self, doc: Doc, examples: list[Doc], system_prompt: str | None = None) -> list[dict]:
+        """The conversation of the module docstring; turns are stripped of surrounding whitespace."""
+        messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        instruction = doc.instruction or ""
+        for ex in examples:
+            messages.append({"role": "user", "content": instruction + self.doc_to_text(ex).strip()})
+            messages.append({"role": "assistant", "content": self.doc_to_target(ex).strip()})
+            instruction = ""
+        messages.append({"role": "user", "content": instruction + self.doc_to_text(doc).strip()})
+        return messages
 
     def fewshot_examples(self, doc: Doc, doc_index: int, num_fewshot: int, seed: int = 0) -> list[Doc]:
         """`num_fewshot` pool docs for `doc` (never `doc` itself); NanoEvalError if the pool is too small."""

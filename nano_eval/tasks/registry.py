@@ -1,9 +1,11 @@
 """Task registry and task specs.
 
-A spec is `suite|task|num_fewshot` (lighteval's form; an old-style 4th field, as in `suite|task|k|0`, is ignored).
-Several specs are comma-separated, or listed one per line in a text file (blank lines and # comments ignored).
-A spec whose task is the prefix of tasks named `task:...` expands to all of them (`lighteval|mmlu|5`).
-Custom tasks live in a Python file defining `TASKS_TABLE: list[TaskConfig]`, as in lighteval.
+A spec is `suite|task|num_fewshot` (an old-style 4th field, as in `suite|task|k|0`, is ignored) or, as in current
+lighteval, `task|num_fewshot`: the suite is then the one suite that has the task (two suites having it is an error
+naming both). Several specs are comma-separated, or listed one per line in a text file (blank lines and # comments
+ignored). A spec whose task is the prefix of tasks named `task:...` expands to all of them (`lighteval|mmlu|5`).
+Custom tasks live in a Python file defining `TASKS_TABLE: list[TaskConfig]` and optionally `TASKS_GROUPS:
+{name: "spec,spec,..."}`, as in lighteval; a group's name is then a spec that stands for its specs.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from nano_eval.errors import NanoEvalError
 from nano_eval.tasks.config import TaskConfig
 from nano_eval.tasks.task import Task, load_datasets
 
-SPEC_FORM = "suite|task|num_fewshot, e.g. 'lighteval|arc:easy|25'"
+SPEC_FORM = "suite|task|num_fewshot or task|num_fewshot, e.g. 'lighteval|arc:easy|25' or 'arc:easy|25'"
 LIST_HINT = "see the available tasks with `nano_eval --list-tasks` (or `Registry(...).print_tasks()`)"
 
 
@@ -43,8 +45,8 @@ class TaskSpec:
         return f"{self.full_name}|{self.num_fewshot}"
 
 
-def _load_table(path: Path) -> list[TaskConfig]:
-    """Import a custom task file by path and return its TASKS_TABLE."""
+def _load_module(path: Path):
+    """Import a custom task file by path."""
     if not path.is_file():
         raise NanoEvalError(f"custom task file {path} does not exist; check the --custom-tasks path")
     spec = importlib.util.spec_from_file_location(f"nano_eval_custom_tasks_{path.stem}", path)
@@ -53,19 +55,39 @@ def _load_table(path: Path) -> list[TaskConfig]:
         spec.loader.exec_module(module)
     except Exception as e:
         raise NanoEvalError(f"custom task file {path} failed to import: {type(e).__name__}: {e}") from e
+    return module
+
+
+def _table(module, path: Path) -> list[TaskConfig]:
     table = getattr(module, "TASKS_TABLE", None)
     if table is None:
         raise NanoEvalError(
             f"custom task file {path} defines no TASKS_TABLE; add `TASKS_TABLE = [TaskConfig(...), ...]` "
-            f"(TaskConfig from nano_eval.tasks)"
+            f"(TaskConfig from nano_eval.tasks, or LightevalTaskConfig from nano_eval.tasks.lighteval)"
         )
     bad = [c for c in table if not isinstance(c, TaskConfig)]
     if bad:
         raise NanoEvalError(
             f"custom task file {path}: TASKS_TABLE holds {type(bad[0]).__name__} objects; build the entries with "
-            f"`from nano_eval.tasks import TaskConfig`"
+            f"`from nano_eval.tasks import TaskConfig` (or, for a lighteval file, change its imports to "
+            f"`from nano_eval.tasks.lighteval import LightevalTaskConfig, Doc, Metrics`)"
         )
     return list(table)
+
+
+def _groups(module, path: Path) -> dict[str, str]:
+    """TASKS_GROUPS: {group name: comma-separated specs (or a list of specs)}."""
+    groups = getattr(module, "TASKS_GROUPS", None) or {}
+    if not isinstance(groups, dict):
+        raise NanoEvalError(f"custom task file {path}: TASKS_GROUPS is a {type(groups).__name__}; make it a dict "
+                            "{group name: 'suite|task|k,suite|task|k'}")
+    out = {}
+    for name, specs in groups.items():
+        if not isinstance(name, str) or "|" in name or "," in name:
+            raise NanoEvalError(f"custom task file {path}: TASKS_GROUPS name {name!r} must be a string without "
+                                "'|' or ','; rename the group")
+        out[name] = specs if isinstance(specs, str) else ",".join(specs)
+    return out
 
 
 def _index(table: list[TaskConfig], origin: str) -> dict[str, TaskConfig]:
@@ -87,9 +109,12 @@ class Registry:
         from nano_eval.tasks.demo_tasks import DEMO_TASKS
 
         configs = _index(TASKS_TABLE + DEMO_TASKS, "nano_eval/tasks/default_tasks.py")
+        self._groups: dict[str, str] = {}
         if custom_tasks is not None:
             path = Path(custom_tasks).expanduser()
-            custom = _index(_load_table(path), f"custom task file {path}")
+            module = _load_module(path)
+            custom = _index(_table(module, path), f"custom task file {path}")
+            self._groups = _groups(module, path)
             clash = sorted(configs.keys() & custom.keys())
             if clash:
                 raise NanoEvalError(
@@ -153,11 +178,38 @@ class Registry:
     def parse_specs(self, specs: str | os.PathLike | Iterable[str]) -> list[TaskSpec]:
         """Parse, validate and expand specs; duplicates are dropped, order is kept."""
         out: list[TaskSpec] = []
-        for raw in _spec_strings(specs):
-            for spec in self._expand(_parse_one(raw, self._suites), raw):
+        for raw in self._ungroup(_spec_strings(specs), ()):
+            for spec in self._expand(self._parse_one(raw), raw):
                 if spec not in out:
                     out.append(spec)
         return out
+
+    def _ungroup(self, raws: list[str], inside: tuple[str, ...]) -> list[str]:
+        """Replace TASKS_GROUPS names by their specs (groups may name groups; a cycle is an error)."""
+        out = []
+        for raw in raws:
+            if raw not in self._groups:
+                out.append(raw)
+            elif raw in inside:
+                raise TaskSpecError(f"TASKS_GROUPS {raw!r} contains itself (via {' -> '.join(inside)}); fix the group")
+            else:
+                out += self._ungroup(_spec_strings(self._groups[raw]), (*inside, raw))
+        return out
+
+    def _parse_one(self, raw: str) -> TaskSpec:
+        """`suite|task|k[|x]`, or `task|k` whose suite is the one suite that has `task` (or tasks `task:...`)."""
+        fields = [f.strip() for f in raw.split("|")]
+        if len(fields) == 2 and fields[0] and fields[1].isdigit():
+            task = fields[0]
+            suites = sorted({full.split("|")[0] for full in self._configs
+                             if full.split("|", 1)[1] == task or full.split("|", 1)[1].startswith(task + ":")})
+            if len(suites) > 1:
+                raise TaskSpecError(f"task spec {raw!r} names no suite and suites {suites} all have {task!r}; write "
+                                    f"it as {' or '.join(f'{s}|{raw}' for s in suites)}")
+            if not suites:
+                raise self._unknown(task, raw)
+            fields = [suites[0], *fields]
+        return _parse_one(fields, raw, self._suites)
 
     def _expand(self, spec: TaskSpec, raw: str) -> list[TaskSpec]:
         if spec.full_name in self._configs:
@@ -186,8 +238,7 @@ def _spec_strings(specs: str | os.PathLike | Iterable[str]) -> list[str]:
     return [s for item in specs for s in _spec_strings(item)]
 
 
-def _parse_one(raw: str, suites: frozenset[str]) -> TaskSpec:
-    fields = [f.strip() for f in raw.split("|")]
+def _parse_one(fields: list[str], raw: str, suites: frozenset[str]) -> TaskSpec:
     if len(fields) not in (3, 4) or not all(fields[:3]):
         raise TaskSpecError(f"malformed task spec {raw!r}: expected {SPEC_FORM}")
     suite, task, shots = fields[:3]

@@ -14,28 +14,43 @@ from typing import Any
 
 @dataclass
 class Doc:
-    """One evaluation item.
+    """One evaluation item, with lighteval's fields in lighteval's order (its prompt functions build it unchanged).
 
     `query` is the prompt (few-shot examples are added later by the PromptManager), `choices` the candidate
     continuations (or the reference answers for generative tasks) and `gold_index` the correct one(s).
+    `instruction` (None or "" for none) is printed once at the top of a few-shot context. The generation fields
+    after `fewshot_sorting_class` exist so lighteval prompt functions can set them; nano_eval reads the task
+    config's `generation_size` / `stop_sequence` instead. `images` is rejected when the task loads.
     """
 
     query: str
     choices: list[str] = field(default_factory=list)
     gold_index: int | list[int] = 0
-    task_name: str = ""
-    instruction: str = ""
-    original_query: str | None = None
+    instruction: str | None = ""
+    images: list | None = None
     specific: dict[str, Any] | None = None
     unconditioned_query: str | None = None  # query for PMI normalisation (acc_norm_pmi)
-    fewshot_sorting_class: str | None = None  # class used by the "balanced" few-shot selection
+    original_query: str | None = None
     id: str = ""
+    task_name: str = ""
+    fewshot_samples: list = field(default_factory=list)
+    sampling_methods: list = field(default_factory=list)
+    fewshot_sorting_class: str | None = None  # class used by the "balanced" few-shot selection
+    generation_size: int | None = None
+    stop_sequences: list[str] | None = None
+    use_logits: bool = False
+    num_samples: int = 1
+    generation_grammar: Any = None
 
     def gold_indices(self) -> list[int]:
         return list(self.gold_index) if isinstance(self.gold_index, (list, tuple)) else [self.gold_index]
 
     def golds(self) -> list[str]:
         return [self.choices[i] for i in self.gold_indices()]
+
+    def get_golds(self) -> list[str]:
+        """lighteval's name for `golds()`."""
+        return self.golds()
 
 
 class RequestType(enum.Enum):
@@ -44,6 +59,22 @@ class RequestType(enum.Enum):
     LOGLIKELIHOOD_ROLLING = "loglikelihood_rolling"
     GREEDY_UNTIL = "greedy_until"
     GREEDY_UNTIL_MULTI_TURN = "greedy_until_multi_turn"
+
+
+class SamplingMethod(str, enum.Enum):
+    """lighteval's metric categories; `request_type` is the nano_eval request that answers each."""
+
+    GENERATIVE = "GENERATIVE"
+    LOGPROBS = "LOGPROBS"  # log-probs of the choices
+    PERPLEXITY = "PERPLEXITY"  # log-prob of the whole query
+
+    @property
+    def request_type(self) -> RequestType:
+        return {
+            SamplingMethod.GENERATIVE: RequestType.GREEDY_UNTIL,
+            SamplingMethod.LOGPROBS: RequestType.LOGLIKELIHOOD,
+            SamplingMethod.PERPLEXITY: RequestType.LOGLIKELIHOOD_ROLLING,
+        }[self]
 
 
 @dataclass

@@ -56,7 +56,7 @@ class Task:
         self.name = f"{suite or config.suite[0]}|{config.name}"
         self.version = config.version
         self.skipped: dict[str, int] = {}  # split -> rows the prompt function returned None for
-        self._docs: dict[str, list[Doc]] = {}
+        self._docs: dict[tuple[str, bool], list[Doc]] = {}  # (split, as few-shot examples) -> docs
         self._metrics = None
 
     def __repr__(self) -> str:
@@ -74,20 +74,30 @@ class Task:
     def aggregation(self) -> dict:
         return {m.name: m for m in self.metrics}
 
-    def split_docs(self, split: str) -> list[Doc]:
-        """The docs of one split, cached; rows the prompt function maps to None are skipped and counted."""
-        if split not in self._docs:
+    def split_docs(self, split: str, few_shots: bool = False) -> list[Doc]:
+        """The docs of one split, cached; rows the prompt function maps to None are skipped and counted.
+
+        As lighteval does, the prompt function sees each row with two extra keys: `__few_shots` (True when the doc
+        will serve as a few-shot example: lighteval's PIQA prompt then gives the solution texts as choices) and
+        `__index` (the row's position in the split); a doc without an `id` gets that position as its id.
+        """
+        if (split, few_shots) not in self._docs:
             docs, skipped = [], 0
             for i, row in enumerate(load_split(self.config, split, self.data_dir)):
-                doc = self._prompt(row, split, i)
-                if doc is None:
+                doc = self._prompt({**row, "__few_shots": few_shots, "__index": i}, split, i)
+                if doc is None or doc == []:
                     skipped += 1
-                else:
-                    self._check(doc, split, i)
-                    docs.append(doc)
-            self.skipped[split] = skipped
-            self._docs[split] = docs
-        return self._docs[split]
+                    continue
+                if getattr(doc, "images", None):
+                    raise NanoEvalError(f"task {self.name!r}: the prompt function returned a Doc with `images`; "
+                                        "nano_eval scores text-only models: drop the images or the task")
+                doc.id = doc.id or str(i)
+                self._check(doc, split, i)
+                docs.append(doc)
+            if not few_shots:
+                self.skipped[split] = skipped
+            self._docs[(split, few_shots)] = docs
+        return self._docs[(split, few_shots)]
 
     def _prompt(self, row: dict, split: str, index: int) -> Doc | None:
         try:
@@ -139,7 +149,7 @@ class Task:
                 f"(hf_avail_splits={list(self.config.hf_avail_splits)}); set few_shots_split or use num_fewshot=0"
             )
         try:
-            return [d for split in splits for d in self.split_docs(split)]
+            return [d for split in splits for d in self.split_docs(split, few_shots=True)]
         except NanoEvalError as e:
             raise NanoEvalError(
                 f"{e}\n(Few-shot examples come from split(s) {splits}: set few_shots_split in the task config to "
@@ -251,8 +261,12 @@ def doc_problem(doc: Doc, request_types: set) -> str | None:
     return None
 
 
-def build_requests(task: Task, num_fewshot: int, seed: int = 0, max_samples: int | None = None):
+def build_requests(task: Task, num_fewshot: int, seed: int = 0, max_samples: int | None = None, *,
+                   system_prompt: str | None = None, chat=None):
     """The first `max_samples` eval docs (dataset order) and all their requests; deterministic for every layout.
+
+    `system_prompt` and `chat` (messages -> text, the tokenizer's chat template) shape each context as described in
+    nano_eval.tasks.prompt; perplexity documents are scored as they are, without either.
 
     Docs are copied with `task_name` set to the results key "suite|task|k", so the same task at two shot counts
     gives distinct request keys. Perplexity-only tasks ignore `num_fewshot` (and load no few-shot data).
@@ -266,7 +280,8 @@ def build_requests(task: Task, num_fewshot: int, seed: int = 0, max_samples: int
     key = f"{task.name}|{num_fewshot}"
     out_docs, requests = [], []
     for i, doc in enumerate(docs):
-        context = prompts.make_context(doc, i, shots, seed)
+        context = (prompts.make_context(doc, i, shots, seed, system_prompt, chat) if task.uses_fewshot
+                   else prompts.make_context(doc, i, 0, seed))
         doc = dataclasses.replace(doc, task_name=key)
         out_docs.append(doc)
         requests += task.construct_requests(doc, context, i)

@@ -31,6 +31,8 @@ class EvalHookConfig:
     data_dir: str | None = None  # offline data mirror
     seed: int = 0  # few-shot sampling seed
     add_bos_token: bool | None = None  # BOS before contexts; None: the tokenizer's own choice (as lm-eval)
+    use_chat_template: bool = False  # contexts through the tokenizer's chat template (instruct models)
+    system_prompt: str | None = None  # first in every context (the system turn with a chat template)
     fail_soft: bool = True  # True: a failed evaluation is reported and training goes on; False: every rank raises
     # The global rank that writes the files and logs to W&B/TensorBoard (results are the same on every rank).
     # Set it to the rank that holds the trainer's W&B run: nanotron logs from the first rank of the last PP stage.
@@ -68,6 +70,10 @@ class EvalHookConfig:
                 raise ValueError(f"max_samples_per_task[{key!r}] must be a positive integer, got {cap!r}")
         if self.add_bos_token is not None and not isinstance(self.add_bos_token, bool):
             raise ValueError(f"add_bos_token must be true, false or unset, got {self.add_bos_token!r}")
+        if not isinstance(self.use_chat_template, bool):
+            raise ValueError(f"use_chat_template must be true or false, got {self.use_chat_template!r}")
+        if self.system_prompt is not None and not isinstance(self.system_prompt, str):
+            raise ValueError(f"system_prompt must be a string or unset, got {self.system_prompt!r}")
         if self.publish_rank < 0:
             raise ValueError(f"publish_rank must be a global rank >= 0, got {self.publish_rank}")
 

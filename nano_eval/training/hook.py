@@ -156,6 +156,8 @@ class EvalHook:
             try:
                 evaluators.append(Evaluator(self.backend, [(spec, task)],
                                             EvalConfig(max_samples=cap, seed=c.seed, add_bos_token=c.add_bos_token,
+                                                       use_chat_template=c.use_chat_template,
+                                                       system_prompt=c.system_prompt,
                                                        batching=batching, progress=c.progress)))
                 specs.append(spec)
             except BadDocumentError as e:  # few-shot documents are checked when the prompts are built
@@ -296,7 +298,8 @@ class EvalHook:
         c = self.config
         config = {"tasks": c.tasks, "max_samples": c.max_samples,
                   "max_samples_per_task": dict(c.max_samples_per_task or {}), "seed": c.seed,
-                  "add_bos_token": c.add_bos_token, "batch_tokens": c.batch_tokens, "max_batch_size": c.max_batch_size,
+                  "add_bos_token": c.add_bos_token, "use_chat_template": c.use_chat_template,
+                  "system_prompt": c.system_prompt, "batch_tokens": c.batch_tokens, "max_batch_size": c.max_batch_size,
                   "time_budget_s": c.time_budget_s}
         return results_document(results, layout=self.layout, config=config, step=results.step,
                                 consumed_tokens=results.consumed_tokens,
