@@ -175,3 +175,30 @@ def test_lighteval_doc_and_metric_call_conventions():
         metric_name="mine", higher_is_better=True, category=SamplingMethod.LOGPROBS,
         sample_level_fn=reversed_order, corpus_level_fn=np.mean)]).metrics
     assert metric.compute(doc, response) == 1.0 and metric.stderr([1.0, 0.0]) == pytest.approx(0.5)
+
+
+@needs_data
+def test_older_lighteval_style_file_runs(toy_backend):
+    """One-argument prompt functions returning dicts, the `metric` field, `__few_shots` switching the choices of the
+    few-shot examples (' A' after 'Answer:' in the examples, 'A' scored for the document), inspect-ai scorer names."""
+    tasks = load_tasks("custom|arc:letters|2", custom_tasks=FILES / "legacy_tasks.py", data_dir=DATA)
+    (spec, task), = tasks
+    docs, requests = build_requests(task, 2, max_samples=3)
+    assert [d.choices for d in docs][0][:2] == ["A", "B"] and docs[0].task_name == "custom|arc:letters|2"
+    shots = task.fewshot_docs()[:2]
+    assert all(s.choices[0] == " A" for s in shots)
+    assert f"Answer:{shots[0].choices[shots[0].gold_index]}\n\n" in requests[0].context
+    results = Evaluator(toy_backend, tasks, EvalConfig(max_samples=3, progress=False)).evaluate()
+    assert results.tasks["custom|arc:letters|2"].metrics["acc"] in (0.0, 1 / 3, 2 / 3, 1.0)
+
+
+@needs_data
+def test_generation_grammar_fails_naming_the_field():
+    (spec, task), = load_tasks("custom|arc:letters_grammar|0", custom_tasks=FILES / "legacy_tasks.py", data_dir=DATA)
+    with pytest.raises(Exception, match="generation_grammar"):
+        build_requests(task, 0, max_samples=2)
+
+
+def test_metric_and_metrics_together_is_an_error():
+    with pytest.raises(TaskConfigError, match="`metric`: given together with `metrics`"):
+        config(metric=[Metrics.loglikelihood_acc])
