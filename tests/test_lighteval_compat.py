@@ -202,3 +202,24 @@ def test_generation_grammar_fails_naming_the_field():
 def test_metric_and_metrics_together_is_an_error():
     with pytest.raises(TaskConfigError, match="`metric`: given together with `metrics`"):
         config(metric=[Metrics.loglikelihood_acc])
+
+
+def test_lightevals_own_prompt_functions_build_its_docs():
+    """The prompt functions lighteval's nanotron example imports from lighteval.tasks.tasks.*, on one row each."""
+    arc = compat.arc_prompt({"question": "Q?", "choices": {"text": ["x", "y"], "label": ["A", "B"]}, "answerKey": "B"})
+    assert (arc.query, arc.choices, arc.gold_index) == ("Question: Q?\nAnswer:", [" x", " y"], 1)
+    head = "The following are multiple choice questions (with answers) about common sense.\n"
+    obqa = compat.openbookqa_prompt({"question_stem": "S", "choices": {"text": ["p", "q", "r"]}, "answerKey": "C "})
+    assert (obqa.query, obqa.choices, obqa.gold_index, obqa.instruction) == (
+        head + "Question: S\nA. p\nB. q\nC. r\nAnswer: ", ["A", "B", "C"], 2, head)
+    row = {"goal": "G", "sol1": "one", "sol2": "two", "label": 1}
+    assert compat.piqa_prompt(row).choices == ["A", "B"]
+    assert compat.piqa_prompt({**row, "__few_shots": True}).choices == ["one", "two"]
+    wino = compat.winogrande_prompt({"sentence": "Tom met _ at noon.", "option1": "Ann", "option2": "Bo", "answer": "2"})
+    assert (wino.query, wino.choices, wino.gold_index) == ("Tom met ", ["Ann at noon.", "Bo at noon."], 1)
+    assert compat.gsm8k_prompt({"question": "1+1?", "answer": "2"}).choices == [" 2"]
+    assert compat.math_prompt({"problem": "P", "solution": "S"}).query == "Question: P\nAnswer:"
+    quac = compat.quac_prompt({"prompt": "ctx", "references": ["a", "", None, "b"]})
+    assert (quac.query, quac.choices, quac.gold_index) == ("ctx\nAnswer:", ["a", "b"], [0, 1])
+    tqa = compat.triviaqa_prompt({"question": "Q", "answer": {"aliases": ["Paris, France", "Paris", "paris!"]}})
+    assert tqa.choices == [["paris", "paris"]]  # "Paris, France" extends "Paris"; sorted, then lower-cased

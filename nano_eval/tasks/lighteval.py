@@ -3,9 +3,11 @@
     from nano_eval.tasks.lighteval import LightevalTaskConfig, Doc, Metrics, LogProbCharNorm, helm_normalizer
 
 Everything a task file imports from `lighteval.tasks.lighteval_task`, `lighteval.tasks.requests`,
-`lighteval.metrics.metrics`, `lighteval.metrics.normalizations`, `lighteval.metrics.utils.metric_utils` and
-`lighteval.models.model_output` is here under the same name (see `__all__`). `LightevalTaskConfig` takes lighteval's
-arguments in lighteval's order with its defaults and builds a nano_eval `TaskConfig`:
+`lighteval.metrics.metrics`, `lighteval.metrics.normalizations`, `lighteval.metrics.utils.metric_utils`,
+`lighteval.models.model_output`, and the eight prompt functions of `lighteval.tasks.tasks.*` that lighteval's nanotron
+example imports (nano_eval.tasks.lighteval_prompts), is here under the same name (see `__all__`).
+`LightevalTaskConfig` takes lighteval's arguments in lighteval's order with its defaults and builds a nano_eval
+`TaskConfig`:
 
 - `metrics`: `Metrics` members (parametrised or not), lighteval metric records (grouped ones become one metric per
   name) or nano_eval metric names; two metrics with one name are an error naming both.
@@ -45,6 +47,8 @@ from nano_eval.metrics.normalizations import (LogProbCharNorm, LogProbPMINorm, L
                                               math_normalizer, remove_braces, remove_braces_and_strip)
 from nano_eval.response import ModelResponse
 from nano_eval.tasks.config import TaskConfig, TaskConfigError
+from nano_eval.tasks.lighteval_prompts import (arc_prompt, gsm8k_prompt, math_prompt, openbookqa_prompt, piqa_prompt,
+                                               quac_prompt, triviaqa_prompt, winogrande_prompt)
 from nano_eval.tasks.requests import Doc, SamplingMethod
 
 try:  # lighteval re-exports huggingface_hub's type; transformers depends on huggingface_hub
@@ -177,4 +181,7 @@ __all__ = [
     "SampleLevelMetricGrouping", "SamplingMethod", "TextGenerationInputGrammarType", "as_list", "bigbench_normalizer",
     "gsm8k_normalizer", "harness_triviaqa_normalizer", "helm_normalizer", "math_normalizer", "math_scorer",
     "multichoice_scorer", "remove_braces", "remove_braces_and_strip",
+    # lighteval.tasks.tasks.<name>.<name>_prompt
+    "arc_prompt", "gsm8k_prompt", "math_prompt", "openbookqa_prompt", "piqa_prompt", "quac_prompt", "triviaqa_prompt",
+    "winogrande_prompt",
 ]
