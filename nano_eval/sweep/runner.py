@@ -158,6 +158,8 @@ class SweepRunner:
                     write_table(self.summary.done, self.out, self.summary.failed)
                     if self.options.report:
                         write_report(self.out)
+                    if self.wandb is not None:
+                        self._log_signal_table()
                 if self.wandb is not None:
                     self.wandb.close()
             if stop.requested:
@@ -350,6 +352,14 @@ class SweepRunner:
                              run_config={"run_dir": str(self.run_dir), "tasks": self.task_keys,
                                          "max_samples": self.job.eval.max_samples})
         return logger
+
+    def _log_signal_table(self) -> None:
+        """The ranked signal table (sweep_signal.csv) as the W&B table `sweep/signal_to_noise`."""
+        from nano_eval.sweep.snr import COLUMNS, ranked, signal_rows
+        from nano_eval.sweep.table import table_rows
+
+        stats = signal_rows(ranked(table_rows(self.summary.done)))
+        self.wandb.log_table("sweep/signal_to_noise", COLUMNS, [[r[c] for c in COLUMNS] for r in stats])
 
     def _log_wandb(self, results_path: Path) -> None:
         doc = json.loads(results_path.read_text())
