@@ -115,3 +115,78 @@ def test_signal_table_and_report(tmp_path, monkeypatch):
     parser.feed(page)
     assert parser.ranks == [("1", "rising", "acc"), ("2", "flat", "acc")]
     assert page.index("Which tasks carry signal") < page.index('<section data-task="rising">')
+
+
+# ---- comparing runs -----------------------------------------------------------------------------------------------
+
+def _write_sweep(folder, rows):
+    from nano_eval.sweep.table import COLUMNS, CSV_NAME
+
+    folder.mkdir(parents=True)
+    rows = sorted(rows, key=lambda r: (r["step"], r["task"]))
+    with (folder / CSV_NAME).open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def test_compare_flags_only_differences_larger_than_the_noise(tmp_path, monkeypatch, capsys):
+    import sys
+
+    from nano_eval.cli import main as run_main
+
+    def shifted(rows, by):
+        return [{**r, "value": r["value"] + by} for r in rows]
+
+    # run b: 30 checkpoints where a has 40 (compared at b's last token count), 10 noise units better on "gap",
+    # half a noise unit on "same"; a third run has only "same".
+    a = _curve("gap", SLOPE, NOISE, seed=4) + _curve("same", SLOPE, NOISE, seed=5)
+    b = shifted(_curve("gap", SLOPE, NOISE, n=30, seed=6), 10 * NOISE) + shifted(
+        _curve("same", SLOPE, NOISE, n=30, seed=7), 0.5 * NOISE)
+    _write_sweep(tmp_path / "a", a)
+    _write_sweep(tmp_path / "b", b)
+    _write_sweep(tmp_path / "c", _curve("same", SLOPE, NOISE, seed=8))
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # SVG plots: fast
+    assert run_main(["compare", str(tmp_path / "a"), str(tmp_path / "b"), str(tmp_path / "c"), "--output-dir",
+                     str(tmp_path / "cmp"), "--labels", "base,wider,third"]) == 0
+    out = capsys.readouterr().out
+    assert "3 comparisons, 1 larger than 2 x noise" in out and "gap acc: wider" in out
+    rows = {(r["task"], r["run"]): r for r in csv.DictReader((tmp_path / "cmp" / "compare.csv").open())}
+    assert set(rows) == {("gap", "wider"), ("same", "wider"), ("same", "third")}
+    gap = rows["gap", "wider"]
+    assert gap["flagged"] == "True" and float(gap["difference"]) == pytest.approx(10 * NOISE, abs=4 * NOISE)
+    assert float(gap["at"]) == int(BASE_TOKENS * GROWTH ** 29) and gap["x"] == "consumed_tokens"
+    # the se of a line's end through 10 points is ~0.59 x the checkpoint noise; two runs in quadrature: ~0.84
+    assert float(gap["noise"]) == pytest.approx(0.84 * NOISE, rel=0.5)
+    assert rows["same", "wider"]["flagged"] == "False" and rows["same", "third"]["flagged"] == "False"
+    page = (tmp_path / "cmp" / "index.html").read_text()
+    assert page.count("<figure") == 2 and page.count("<polyline") == 2 + 3  # gap: 2 runs, same: 3 runs
+    assert 'data-flagged="1" data-task="gap"' in page
+    # bad input: one folder, a folder that is no sweep
+    assert run_main(["compare", str(tmp_path / "a")]) == 2
+    assert run_main(["compare", str(tmp_path / "a"), str(tmp_path)]) == 2
+    assert f"{tmp_path} holds no sweep_results.csv" in capsys.readouterr().err
+
+
+def test_interpolation_is_linear_in_log_tokens():
+    from nano_eval.sweep.compare import interpolate
+
+    assert interpolate([(10.0, 0.0), (1000.0, 1.0)], 100.0) == pytest.approx(0.5)
+    assert interpolate([(10.0, 0.0), (1000.0, 1.0)], 1000.0) == pytest.approx(1.0)
+    assert interpolate([(10.0, 0.0), (1000.0, 1.0)], 5000.0) is None
+
+
+def test_compare_z_is_calibrated_when_runs_do_not_differ():
+    """300 pairs of runs drawn alike: z has mean ~0 and sd ~1 (a t with 8 degrees of freedom: 1.15), so |z| > 2
+    flags ~5-7 % of equal runs, not more."""
+    import statistics
+
+    from nano_eval.sweep.compare import differences
+
+    def curves(rows):
+        return {("t", "acc"): [(r["step"], r["consumed_tokens"], r["value"], r["stderr"]) for r in rows]}
+
+    zs = [differences({"a": curves(_curve("t", SLOPE, NOISE, seed=s)),
+                       "b": curves(_curve("t", SLOPE, NOISE, n=30, seed=1000 + s))})[0].z for s in range(300)]
+    assert abs(statistics.mean(zs)) < 0.2 and 0.9 < statistics.pstdev(zs) < 1.2
+    assert sum(abs(z) > 2 for z in zs) / len(zs) < 0.1
