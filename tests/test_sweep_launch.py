@@ -140,6 +140,31 @@ def test_a_job_that_fails_twice_is_recorded_with_its_log(sequential, tmp_path, c
     assert {r["step"] for r in rows if not r["error"]} == {8}
 
 
+@pytest.mark.slow
+def test_watch_submits_each_new_checkpoint_as_it_appears(sequential, tmp_path, monkeypatch):
+    import shutil
+
+    run, reference = sequential
+    watched, out = tmp_path / "run", tmp_path / "out"
+    shutil.copytree(run / "checkpoint-8", watched / "checkpoint-8")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    codes = []
+    driver = threading.Thread(target=lambda: codes.append(run_main(
+        _args(watched, out, "--no-report", "--launcher", "local", "--watch", "--poll-s", "0.2", "--until-step", "16"))))
+    driver.start()
+    try:
+        _wait(lambda: (out / "checkpoint-8" / "results.json").exists(), 240, "the first checkpoint")
+        shutil.copytree(run / "checkpoint-16", tmp_path / "checkpoint-16.tmp")  # written, then renamed into place
+        (tmp_path / "checkpoint-16.tmp").rename(watched / "checkpoint-16")
+    finally:
+        driver.join(timeout=600)
+    assert codes == [0]
+    assert len(list((out / "jobs").glob("*_submitted.pkl"))) == 2  # one job per checkpoint, as each appeared
+    for step in (8, 16):
+        ours, theirs = (json.loads((d / f"checkpoint-{step}" / "results.json").read_text()) for d in (out, reference))
+        assert ours["results"] == theirs["results"], step
+
+
 # ---- what the executors are given ---------------------------------------------------------------------------------
 
 def test_slurm_job_script_carries_the_options(tmp_path, monkeypatch):
