@@ -448,3 +448,17 @@ def test_cuda_memory_is_released_between_checkpoints(tmp_path):
     allocated, alive, model_mib = _sweep_memory(tmp_path, 8, device="cuda")
     assert alive == [0] * 8
     assert max(allocated) - allocated[0] < model_mib / 2, allocated  # nothing of the last model stays allocated
+
+
+def test_wandb_run_gets_the_signal_table(swept):
+    """The ranked signal table (sweep_signal.csv) is logged as the W&B table `sweep/signal_to_noise`."""
+    pytest.importorskip("wandb")
+    import csv
+
+    run, out = swept
+    [table] = list(out.glob("wandb/offline-run-*/files/media/table/sweep/signal_to_noise_*.table.json"))
+    logged = json.loads(table.read_text())
+    local = list(csv.DictReader((out / "sweep_signal.csv").open()))
+    assert logged["columns"][:3] == ["rank", "task", "metric"] and len(logged["data"]) == len(local) == len(
+        {(r["task"], r["metric"]) for r in read_table(out)})
+    assert [(r[1], r[2]) for r in logged["data"]] == [(r["task"], r["metric"]) for r in local]

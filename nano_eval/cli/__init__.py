@@ -3,6 +3,7 @@ only the entry points do (`nano_eval` console script, `python -m nano_eval`, `py
 
     nano_eval [eval] --checkpoint DIR --tasks SPECS ...   score one checkpoint (eval is the default subcommand)
     nano_eval sweep RUN_DIR --tasks SPECS ...            score every checkpoint of a training run
+    nano_eval compare OUT_A OUT_B ...                    the sweeps of several runs on one plot per task
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from nano_eval import __version__
 SUBCOMMANDS = {
     "eval": "score one checkpoint (or the toy --demo) on tasks: results.json + details (the default subcommand)",
     "sweep": "score every checkpoint of a training run directory, resumably: table, learning curves, W&B",
+    "compare": "draw several runs' sweeps on one plot per task and flag differences larger than their noise",
 }
 
 
@@ -36,6 +38,10 @@ def _dispatch(argv: list[str]) -> int:
 
     if argv[:1] == ["sweep"]:
         return sweep_command.main(argv[1:])
+    if argv[:1] == ["compare"]:
+        from nano_eval.cli import compare as compare_command
+
+        return compare_command.main(argv[1:])
     argv = argv[1:] if argv[:1] == ["eval"] else argv
     if eval_command.names_a_run_dir(argv):  # `--checkpoint RUN_DIR`: a folder of checkpoints is swept
         return sweep_command.main(argv)
@@ -50,7 +56,7 @@ def _top_level(argv: list[str]) -> int:
                                        "Without a subcommand, nano_eval runs `eval`: nano_eval --demo, "
                                        "nano_eval --list-tasks, nano_eval --checkpoint DIR --tasks SPECS.")
     p.add_argument("--version", action="version", version=f"nano_eval {__version__}")
-    sub = p.add_subparsers(title="subcommands", metavar="{eval,sweep}")
+    sub = p.add_subparsers(title="subcommands", metavar="{eval,sweep,compare}")
     for name, text in SUBCOMMANDS.items():
         sub.add_parser(name, help=text)
     p.parse_args(argv)  # prints the help or the version and exits

@@ -15,6 +15,7 @@ from nano_eval.cli.options import (Parser, add_model_options, add_run_options, a
                                    non_negative_float, non_negative_int, positive_float, positive_int)
 from nano_eval.cli.runtime import init_distributed, is_rank_zero, run_command
 from nano_eval.errors import TasksFailedError
+from nano_eval.sweep.launch import JOBS_DIR, LAUNCHERS, LaunchedSweep, LaunchOptions
 from nano_eval.sweep.runner import SweepOptions, SweepRunner
 
 COMMAND = "nano_eval sweep"
@@ -42,6 +43,20 @@ def build_parser() -> Parser:
     g.add_argument("--settle-s", type=non_negative_float, default=5.0,
                    help="a checkpoint without a trainer marker must look unchanged this long before it is read")
     g.add_argument("--no-report", action="store_true", help="skip the PNG/HTML learning-curve report")
+    g = p.add_argument_group("fan out as jobs (submitit; without --launcher the sweep runs in this process)")
+    g.add_argument("--launcher", choices=LAUNCHERS, default=None,
+                   help="submit one job per group of checkpoints: slurm (sbatch job arrays) or local (processes on "
+                        "this machine); this process waits, merges and reports")
+    g.add_argument("--group-size", type=positive_int, default=1, help="checkpoints per job (default: %(default)s)")
+    g.add_argument("--slurm-partition", default=None, help="Slurm partition (default: the cluster's default)")
+    g.add_argument("--gpus-per-node", type=non_negative_int, default=1,
+                   help="GPUs per node of a job, one rank each (default: %(default)s)")
+    g.add_argument("--nodes", type=positive_int, default=1, help="nodes per job (default: %(default)s)")
+    g.add_argument("--time", type=positive_int, default=60,
+                   help="minutes per job before it is stopped (default: %(default)s)")
+    g.add_argument("--account", default=None, help="Slurm account to charge (default: yours)")
+    g.add_argument("--array-parallelism", type=positive_int, default=64,
+                   help="Slurm jobs of one array running at once (default: %(default)s)")
     g = p.add_argument_group("W&B")
     g.add_argument("--wandb-project", default=None, help="log into a new W&B run of this project")
     g.add_argument("--wandb-entity", default=None, help="W&B entity (team) of the run")
@@ -73,6 +88,13 @@ def sweep_options(args: argparse.Namespace) -> SweepOptions:
     )
 
 
+def launch_options(args: argparse.Namespace) -> LaunchOptions:
+    return LaunchOptions(launcher=args.launcher, group_size=args.group_size, partition=args.slurm_partition,
+                         gpus_per_node=args.gpus_per_node, nodes=args.nodes, time_min=args.time,
+                         account=args.account, array_parallelism=args.array_parallelism,
+                         dist_timeout_s=args.dist_timeout)
+
+
 def main(argv: list[str]) -> int:
     """Exit codes: 0 every checkpoint done; 1 some checkpoints failed (recorded, the others done); 2 bad input;
     128 + signal when SIGTERM / SIGINT stopped it after the checkpoint in progress (143 / 130)."""
@@ -81,12 +103,17 @@ def main(argv: list[str]) -> int:
     def body() -> int:
         init_distributed(args.device, args.dist_timeout)
         start = time.perf_counter()
-        summary = SweepRunner(eval_job(args, args.tasks), sweep_options(args)).run()
+        job, options = eval_job(args, args.tasks), sweep_options(args)
+        if args.launcher:
+            summary = LaunchedSweep(job, options, launch_options(args)).run()
+        else:
+            summary = SweepRunner(job, options).run()
         table = os.path.join(args.output_dir, "sweep_results.csv")
         if is_rank_zero():
             print(f"\nsweep of {args.run_dir}: {len(summary.evaluated)} evaluated, {len(summary.reused)} reused, "
                   f"{len(summary.incomplete)} skipped as unfinished, {len(summary.failed)} failed, in "
-                  f"{time.perf_counter() - start:.1f}s; table: {table}")
+                  f"{time.perf_counter() - start:.1f}s; table: {table}"
+                  + (f"; job logs: {os.path.join(args.output_dir, JOBS_DIR)}" if args.launcher else ""))
         if summary.signal is not None:
             return 128 + int(summary.signal)
         if summary.failed:

@@ -1,5 +1,6 @@
-"""Learning curves of a sweep: one PNG per (task, metric) and one self-contained HTML page (images inlined as
-base64 data URIs, plus the numbers as tables), built from the consolidated table.
+"""Learning curves of a sweep: one PNG per (task, metric) (stderr band around the curve) and one self-contained HTML
+page (images inlined as base64 data URIs, plus the numbers as tables), built from the consolidated table. The page
+opens with the tasks ranked by signal-to-noise (snr.py).
 
 matplotlib is optional (`pip install matplotlib`): without it the page draws each curve as an inline SVG polyline
 and no PNG is written (one warning says so).
@@ -16,6 +17,7 @@ from collections import defaultdict
 from datetime import datetime, timezone
 from pathlib import Path
 
+from nano_eval.sweep.snr import CurveStats, ranked
 from nano_eval.sweep.table import read_table
 from nano_eval.tracking.files import atomic_write_bytes, atomic_write_text, safe_file_name
 
@@ -54,7 +56,7 @@ def write_report(out_dir: str | Path) -> Path:
                 figures[task, metric] = f'<img alt="{html.escape(label)}" src="{src}">'
             else:
                 figures[task, metric] = _svg(points, label)
-    page = _html(out, rows, data, figures, failures)
+    page = _html(out, rows, data, figures, failures, ranked(rows))
     atomic_write_text(out / REPORT_DIR / HTML_NAME, page)
     return out / REPORT_DIR / HTML_NAME
 
@@ -98,8 +100,15 @@ def _svg(points: list, label: str, width: int = 360, height: int = 180, pad: int
     x0, x1, y0, y1 = min(xs), max(xs), min(ys), max(ys)
     sx = (width - 2 * pad) / ((x1 - x0) or 1)
     sy = (height - 2 * pad) / ((y1 - y0) or 1)
-    coords = " ".join(f"{pad + (s - x0) * sx:.1f},{height - pad - (v - y0) * sy:.1f}" for s, v in pts)
-    return (f'<svg role="img" aria-label="{html.escape(label)}" width="{width}" height="{height}">'
+    def xy(s, v):
+        return f"{pad + (s - x0) * sx:.1f},{height - pad - (v - y0) * sy:.1f}"
+
+    coords = " ".join(xy(s, v) for s, v in pts)
+    band = [(s, v, e) for s, v, e in points if v is not None and e is not None and math.isfinite(v)]
+    polygon = (f'<polygon fill="#1f77b4" fill-opacity="0.2" points="'
+               + " ".join([xy(s, min(y1, v + e)) for s, v, e in band]
+                          + [xy(s, max(y0, v - e)) for s, v, e in reversed(band)]) + '"/>') if len(band) > 1 else ""
+    return (f'<svg role="img" aria-label="{html.escape(label)}" width="{width}" height="{height}">{polygon}'
             f'<polyline fill="none" stroke="#1f77b4" stroke-width="2" points="{coords}"/>'
             f'<text x="{pad}" y="14" font-size="11">{y1:.4g}</text>'
             f'<text x="{pad}" y="{height - 4}" font-size="11">{y0:.4g} (step {x0} .. {x1})</text></svg>')
@@ -111,7 +120,31 @@ def _fmt(value, err) -> str:
     return f"{value:.4f}" + (f" ± {err:.4f}" if err is not None else "")
 
 
-def _html(out: Path, rows: list[dict], data: dict, figures: dict, failures: list[dict]) -> str:
+def _signal_section(stats: list[CurveStats]) -> list[str]:
+    """The ranked "which tasks carry signal" table (formulas: nano_eval.sweep.snr, README)."""
+    def num(v, fmt=".4g"):
+        return "" if v is None else format(v, fmt)
+
+    parts = ['<section data-signal="1"><h2>Which tasks carry signal at this scale</h2>'
+             "<p>Ranked by signal-to-noise: signal = |slope| &times; span of ln(consumed tokens) (the change the "
+             "fitted trend explains), noise = std of the detrended curve over the last checkpoints (the metric's "
+             "stderr when there are fewer than 3), Kendall &tau; of value vs step (monotonicity). Formulas and "
+             "sources: README, \"Sweep a training run's checkpoints\".</p>",
+             "<table><tr><th>rank</th><th>task</th><th>metric</th><th>checkpoints</th><th>change</th>"
+             "<th>slope / ln tokens</th><th>signal</th><th>noise (jitter)</th><th>stderr</th><th>SNR</th>"
+             "<th>Kendall &tau;</th></tr>"]
+    for k, st in enumerate(stats, start=1):
+        parts.append(f'<tr data-rank="{k}" data-task="{html.escape(st.task)}" data-metric="{html.escape(st.metric)}">'
+                     f"<td>{k}</td><td>{html.escape(st.task)}</td><td>{html.escape(st.metric)}</td>"
+                     f"<td>{st.checkpoints}</td><td>{num(st.change)}</td><td>{num(st.slope)}</td>"
+                     f"<td>{num(st.signal)}</td><td>{num(st.jitter)}</td><td>{num(st.stderr)}</td>"
+                     f"<td>{num(st.snr, '.3g')}</td><td>{num(st.kendall_tau, '.2f')}</td></tr>")
+    parts.append("</table></section>")
+    return parts
+
+
+def _html(out: Path, rows: list[dict], data: dict, figures: dict, failures: list[dict],
+          stats: list[CurveStats]) -> str:
     steps = sorted({(r["step"], r["checkpoint"], r["consumed_tokens"]) for r in rows})
     parts = [
         "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
@@ -129,6 +162,8 @@ def _html(out: Path, rows: list[dict], data: dict, figures: dict, failures: list
         parts += [f'<tr data-step="{r["step"]}"><td>{html.escape(r["checkpoint"])}</td><td>{r["step"]}</td>'
                   f'<td style="text-align:left">{html.escape(r["error"])}</td></tr>' for r in failures]
         parts.append("</table></section>")
+    if stats:
+        parts += _signal_section(stats)
     for task, metrics in data.items():
         parts.append(f'<section data-task="{html.escape(task)}"><h2>{html.escape(task)}</h2>')
         for metric in metrics:

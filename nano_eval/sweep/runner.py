@@ -95,6 +95,26 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def finished_identity(results_path: Path) -> str | None:
+    """The evaluation identity of the results file (None if absent, or if some tasks failed: those are evaluated
+    again)."""
+    try:
+        doc = json.loads(Path(results_path).read_text())
+    except (OSError, ValueError):
+        return None
+    return None if doc.get("failed_tasks") else doc.get("sweep", {}).get("evaluation_identity")
+
+
+def evaluate_item(job: EvalJob, tasks: list, run_dir: Path, item: WorkItem) -> None:
+    """Evaluate one checkpoint of a sweep into `<output_dir>/<checkpoint>/` (results.json with the sweep record:
+    run dir, checkpoint name, kind, fingerprint, evaluation identity). Every rank calls it; rank 0 writes."""
+    sweep = {"run_dir": str(Path(run_dir).resolve()), "checkpoint_name": item.ckpt.name, "kind": item.ckpt.kind,
+             "fingerprint": item.fingerprint, "evaluation_identity": item.identity}
+    evaluate_checkpoint(job, tasks, str(item.ckpt.path), Path(job.output_dir) / item.ckpt.name,
+                        step=item.ckpt.step, consumed_tokens=item.consumed_tokens, extra={"sweep": sweep},
+                        replace_details=True)  # no stale details from an older evaluation
+
+
 class SweepRunner:
     """Build once (tasks loaded and parsed), then `run()`."""
 
@@ -138,6 +158,8 @@ class SweepRunner:
                     write_table(self.summary.done, self.out, self.summary.failed)
                     if self.options.report:
                         write_report(self.out)
+                    if self.wandb is not None:
+                        self._log_signal_table()
                 if self.wandb is not None:
                     self.wandb.close()
             if stop.requested:
@@ -253,14 +275,7 @@ class SweepRunner:
         return WorkItem(ckpt, identity, fp, tokens, reuse=self._existing_identity(ckpt) == identity)
 
     def _existing_identity(self, ckpt: Checkpoint) -> str | None:
-        """The identity of the results already in the output folder (None if absent, or if some tasks failed:
-        those are evaluated again)."""
-        path = self.out / ckpt.name / "results.json"
-        try:
-            doc = json.loads(path.read_text())
-        except (OSError, ValueError):
-            return None
-        return None if doc.get("failed_tasks") else doc.get("sweep", {}).get("evaluation_identity")
+        return finished_identity(self.out / ckpt.name / "results.json")
 
     # ---- one checkpoint -------------------------------------------------------------------------------------------
 
@@ -298,13 +313,9 @@ class SweepRunner:
 
         Limitation: an error on only some ranks while the others wait inside a collective of the evaluation leaves
         those waiting until --dist-timeout."""
-        sweep = {"run_dir": str(self.run_dir.resolve()), "checkpoint_name": item.ckpt.name, "kind": item.ckpt.kind,
-                 "fingerprint": item.fingerprint, "evaluation_identity": item.identity}
         error = None
         try:
-            evaluate_checkpoint(self.job, self.tasks, str(item.ckpt.path), self.out / item.ckpt.name,
-                                step=item.ckpt.step, consumed_tokens=item.consumed_tokens, extra={"sweep": sweep},
-                                replace_details=True)  # no stale details from an older evaluation
+            evaluate_item(self.job, self.tasks, self.run_dir, item)
         except dist.DistBackendError:
             raise  # a rank that does not answer is not this checkpoint's fault: the command reports it
         except Exception as e:  # noqa: BLE001 -- recorded and skipped: one broken checkpoint never stops a sweep
@@ -341,6 +352,14 @@ class SweepRunner:
                              run_config={"run_dir": str(self.run_dir), "tasks": self.task_keys,
                                          "max_samples": self.job.eval.max_samples})
         return logger
+
+    def _log_signal_table(self) -> None:
+        """The ranked signal table (sweep_signal.csv) as the W&B table `sweep/signal_to_noise`."""
+        from nano_eval.sweep.snr import COLUMNS, ranked, signal_rows
+        from nano_eval.sweep.table import table_rows
+
+        stats = signal_rows(ranked(table_rows(self.summary.done)))
+        self.wandb.log_table("sweep/signal_to_noise", COLUMNS, [[r[c] for c in COLUMNS] for r in stats])
 
     def _log_wandb(self, results_path: Path) -> None:
         doc = json.loads(results_path.read_text())

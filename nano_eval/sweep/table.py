@@ -1,4 +1,5 @@
-"""The consolidated sweep table: one row per (checkpoint, task, metric), in step order, as CSV and parquet.
+"""The consolidated sweep table: one row per (checkpoint, task, metric), in step order, as CSV and parquet; and next
+to it the signal table (snr.py): one row per (task, metric), ranked by signal-to-noise.
 
 Built from the per-checkpoint results.json files only, so a restarted sweep rebuilds exactly the same table. A
 checkpoint that failed (to load, or some of its tasks to score) adds one row whose `error` column says why (task and
@@ -14,10 +15,13 @@ import math
 import sys
 from pathlib import Path
 
+from nano_eval.sweep.snr import COLUMNS as SIGNAL_COLUMNS
+from nano_eval.sweep.snr import ranked, signal_rows
 from nano_eval.tracking.files import atomic_write_bytes, atomic_write_text
 
 COLUMNS = ("checkpoint", "step", "consumed_tokens", "task", "metric", "value", "stderr", "error")
 CSV_NAME, PARQUET_NAME = "sweep_results.csv", "sweep_results.parquet"
+SIGNAL_CSV_NAME, SIGNAL_PARQUET_NAME = "sweep_signal.csv", "sweep_signal.parquet"
 
 
 def table_rows(done: dict[int, Path], failed: dict[int, tuple[str, str]] | None = None) -> list[dict]:
@@ -59,7 +63,32 @@ def write_table(done: dict[int, Path], out_dir: str | Path, failed: dict[int, tu
     writer.writerows(rows)
     atomic_write_text(out / CSV_NAME, text.getvalue())
     _write_parquet(rows, out / PARQUET_NAME)
+    write_signal_table(rows, out)
     return out / CSV_NAME
+
+
+def write_signal_table(rows: list[dict], out_dir: str | Path) -> Path:
+    """`sweep_signal.csv` (+ `.parquet` when pyarrow imports): snr.ranked(rows), one row per task x metric, the
+    most signal first; returns the CSV path."""
+    out = Path(out_dir)
+    stats = signal_rows(ranked(rows))
+    text = io.StringIO()
+    writer = csv.DictWriter(text, fieldnames=SIGNAL_COLUMNS, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows({k: ("" if v is None else v) for k, v in r.items()} for r in stats)
+    atomic_write_text(out / SIGNAL_CSV_NAME, text.getvalue())
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        return out / SIGNAL_CSV_NAME  # _write_parquet has said so for the main table
+    types = {"rank": pa.int64(), "task": pa.string(), "metric": pa.string(), "checkpoints": pa.int64(),
+             "x": pa.string()}
+    schema = pa.schema([(c, types.get(c, pa.float64())) for c in SIGNAL_COLUMNS])
+    buffer = io.BytesIO()
+    pq.write_table(pa.Table.from_pylist(stats, schema=schema), buffer)
+    atomic_write_bytes(out / SIGNAL_PARQUET_NAME, buffer.getvalue())
+    return out / SIGNAL_CSV_NAME
 
 
 def _write_parquet(rows: list[dict], path: Path) -> None:

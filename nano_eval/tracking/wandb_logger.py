@@ -13,7 +13,7 @@ step under `step_key` (default `train/step`) and consumed tokens under `tokens_k
 from __future__ import annotations
 
 import sys
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 
 def metric_key(prefix: str, task_key: str, metric: str) -> str:
@@ -124,6 +124,15 @@ class WandbLogger:
         except Exception as e:  # noqa: BLE001
             self._fail(f"W&B logging failed at step {step} ({one_line(e)}); "
                        "eval results still go to the local files")
+
+    def log_table(self, key: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+        """One W&B Table under `key` (a sweep's signal-to-noise ranking). Never raises."""
+        if self._disabled or self.run is None:
+            return
+        try:
+            self.run.log({key: self._wandb.Table(columns=list(columns), data=[list(r) for r in rows])})
+        except Exception as e:  # noqa: BLE001
+            self._fail(f"W&B table {key} failed ({one_line(e)}); it is in the local files")
 
     def close(self) -> None:
         """Finish the run if we opened it. Never raises."""

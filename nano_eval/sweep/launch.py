@@ -1,0 +1,251 @@
+"""Fan a sweep out as submitit jobs: `nano_eval sweep RUN_DIR --launcher local|slurm [--group-size N]`.
+
+This process is the driver. It plans exactly as the sequential sweep does (runner.SweepRunner: discovery,
+selection, settling, evaluation identity, output lock, settings check), then submits one job per group of
+`--group-size` checkpoints that still need scoring (a Slurm job array, at most `--array-parallelism` running at
+once; `local` runs the same jobs as processes on this machine through submitit's LocalExecutor). Each job runs
+worker.run_group: load once per checkpoint, score every task, write `<out>/<checkpoint>/results.json` atomically.
+
+Merge: the driver holds the output folder's lock (lock.py) for the whole sweep; whenever a job ends it reads the
+results files of that job's checkpoints (only results carrying the planned evaluation identity count) and rewrites
+the table (and, with --watch, the report) -- the same files, built the same way, as the sequential sweep.
+
+Faults: a job that raises, is killed, runs out of time or memory is reported with its log path and resubmitted
+once with the checkpoints it left unscored (the ones it finished are not redone); a second failure records those
+checkpoints as failed (table `error` column, exit code 1). Re-running the command reuses every finished
+checkpoint, so it is idempotent. SIGINT / SIGTERM cancel the jobs still running (scancel under Slurm) and keep
+what they finished. The driver must stay alive while the jobs run (a login-node shell, tmux, or its own small job).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from nano_eval.errors import NanoEvalError, TasksFailedError
+from nano_eval.sweep.runner import SweepOptions, SweepRunner, WorkItem
+from nano_eval.sweep.signals import StopFlag
+
+LAUNCHERS = ("local", "slurm")
+JOBS_DIR = "jobs"  # <out>/jobs/: submitit's pickles and each job's <id>_<task>_log.out / .err
+JOB_POLL_S = {"local": 0.2, "slurm": 10.0}  # how often the driver asks whether a job ended
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchOptions:
+    """How the jobs are cut and where they run (what they evaluate: the EvalJob)."""
+
+    launcher: str  # "local" | "slurm"
+    group_size: int = 1  # checkpoints per job
+    partition: str | None = None  # Slurm partition (None: the cluster's default)
+    gpus_per_node: int = 1  # one rank (process) per GPU
+    nodes: int = 1
+    time_min: int = 60  # per job; Slurm --time, and the local launcher's timeout
+    account: str | None = None
+    array_parallelism: int = 64  # Slurm: jobs of one array running at once
+    dist_timeout_s: float = 1800.0  # collectives between the ranks of one job
+
+
+def executor_parameters(o: LaunchOptions) -> dict[str, Any]:
+    """The keyword arguments for the submitit executor's update_parameters (SlurmExecutor's are sbatch options)."""
+    ranks_per_node = max(1, o.gpus_per_node)
+    if o.launcher == "slurm":
+        params: dict[str, Any] = {"job_name": "nano_eval_sweep", "time": o.time_min, "nodes": o.nodes,
+                                  "ntasks_per_node": ranks_per_node, "array_parallelism": o.array_parallelism}
+        if o.gpus_per_node:
+            params["gpus_per_node"] = o.gpus_per_node
+        if o.partition:
+            params["partition"] = o.partition
+        if o.account:
+            params["account"] = o.account
+        return params
+    if o.nodes != 1:
+        raise NanoEvalError(f"--launcher local runs its jobs on this machine: --nodes {o.nodes} is not possible. "
+                            "Fix: --nodes 1, or --launcher slurm.")
+    return {"timeout_min": o.time_min, "tasks_per_node": ranks_per_node, "gpus_per_node": o.gpus_per_node}
+
+
+def make_executor(o: LaunchOptions, folder: Path):
+    """submitit's SlurmExecutor or LocalExecutor writing into `folder`, with executor_parameters(o)."""
+    try:
+        import submitit
+    except ImportError as e:
+        raise NanoEvalError(f"--launcher needs submitit ({e}). Fix: pip install 'nano_eval[cluster]' "
+                            "(or pip install submitit).") from e
+    if o.launcher == "slurm":
+        try:
+            executor = submitit.SlurmExecutor(folder=folder)
+        except RuntimeError as e:  # no srun on PATH
+            raise NanoEvalError(f"--launcher slurm: {e} Fix: run the sweep on a Slurm login node, or use "
+                                "--launcher local.") from e
+    else:
+        executor = submitit.LocalExecutor(folder=folder)
+    executor.update_parameters(**executor_parameters(o))
+    return executor
+
+
+@dataclass
+class Submitted:
+    job: Any  # a submitit Job
+    items: list[WorkItem]
+    attempt: int  # 1, then 2 for the retry
+
+    @property
+    def log(self) -> Path:
+        return Path(self.job.paths.stderr)
+
+
+class LaunchedSweep(SweepRunner):
+    """SweepRunner whose loop submits jobs instead of evaluating in this process. Build once, then `run()`."""
+
+    def __init__(self, job, options: SweepOptions, launch: LaunchOptions):
+        if launch.launcher not in LAUNCHERS:
+            raise NanoEvalError(f"unknown --launcher {launch.launcher!r}. Fix: one of {', '.join(LAUNCHERS)}.")
+        super().__init__(job, options)
+        if self.world > 1:
+            raise NanoEvalError("--launcher runs the driver as one process (the jobs get their own ranks). Fix: "
+                                "start `nano_eval sweep ... --launcher ...` without torchrun.")
+        executor_parameters(launch)  # bad combinations stop here, before anything is locked or submitted
+        self.launch = launch
+        self.executor = None
+        self.running: list[Submitted] = []
+
+    def _loop(self, stop: StopFlag) -> None:
+        self.executor = make_executor(self.launch, self.out / JOBS_DIR)
+        if self.options.watch:
+            print(f"nano_eval: watching {self.run_dir} every {self.options.poll_s:g}s; jobs go to "
+                  f"--launcher {self.launch.launcher} (stop: Ctrl-C / SIGTERM)", flush=True)
+        next_look: float | None = 0.0  # when to look at the run directory again; None: never
+        try:
+            while not stop.requested:
+                if next_look is not None and time.monotonic() >= next_look:
+                    next_look = self._plan_round()
+                self._collect()
+                if next_look is None and not self.running:
+                    return
+                wait = JOB_POLL_S[self.launch.launcher]
+                if next_look is not None:
+                    wait = min(wait, max(0.0, next_look - time.monotonic())) if self.running else max(
+                        0.0, next_look - time.monotonic())
+                stop.sleep(wait)
+        finally:
+            for s in self.running:  # stopped (or crashed): leave no job behind
+                s.job.cancel(check=False)
+                print(f"nano_eval: job {s.job.job_id} cancelled ({', '.join(i.ckpt.name for i in s.items)}); "
+                      "rerun the command to score them", file=sys.stderr, flush=True)
+
+    def _plan_round(self) -> float | None:
+        """Look at the run directory: merge reused checkpoints, submit the others in groups. Returns when to look
+        again (None: a one-shot sweep with nothing left to wait for, or --until-step reached)."""
+        plan = self._plan(False)
+        work, until = plan.work, self.options.until_step
+        reached = next((k for k, item in enumerate(work) if until is not None and item.ckpt.step >= until), None)
+        if reached is not None:
+            work = work[: reached + 1]  # as the sequential sweep: nothing past the first checkpoint at --until-step
+        fresh = []
+        for item in work:
+            self.handled.add(item.ckpt.path)
+            if item.reuse:
+                self._process(item)  # prints "already evaluated", records it, logs W&B
+            else:
+                fresh.append(item)
+        size = self.launch.group_size
+        self._submit([fresh[k:k + size] for k in range(0, len(fresh), size)], attempt=1)
+        if reached is not None or plan.wait_s is None:
+            return None
+        return time.monotonic() + plan.wait_s
+
+    def _submit(self, groups: list[list[WorkItem]], attempt: int) -> None:
+        from nano_eval.sweep.worker import run_group
+
+        if not groups:
+            return
+        jobs = []
+        with self.executor.batch():  # one Slurm array (one sbatch) per round
+            for group in groups:
+                jobs.append(self.executor.submit(run_group, self.job, str(self.run_dir), group,
+                                                 self.launch.dist_timeout_s))
+        for job, group in zip(jobs, groups):
+            if self.launch.launcher == "local":
+                job._results_timeout_s = 1  # submitit waits 15 s for a result file on shared file systems
+            self.running.append(Submitted(job, group, attempt))
+            print(f"nano_eval: job {job.job_id} {'resubmitted' if attempt > 1 else 'submitted'}: "
+                  f"{', '.join(i.ckpt.name for i in group)} (log: {job.paths.stderr})", flush=True)
+
+    # ---- merge (this process holds the output lock) ---------------------------------------------------------------
+
+    def _collect(self) -> None:
+        """Merge every job that ended since the last look; resubmit (once) what a failed job left unscored."""
+        from nano_eval.sweep.report import write_report
+        from nano_eval.sweep.table import write_table
+
+        ended = [s for s in self.running if s.job.done()]
+        for s in ended:
+            self.running.remove(s)
+            status, error = self._outcome(s)
+            if error is not None:
+                again = "resubmitting what it left unscored once" if s.attempt == 1 else "no more retries"
+                print(f"nano_eval: warning: job {s.job.job_id} ({', '.join(i.ckpt.name for i in s.items)}) failed: "
+                      f"{error}; log: {s.log}; {again}", file=sys.stderr, flush=True)
+            retry = []
+            for item in s.items:
+                if not self._merge(item, status.get(item.ckpt.name), s, error, last_try=s.attempt > 1):
+                    retry.append(item)
+            self._submit([retry] if retry else [], attempt=s.attempt + 1)
+        if ended and (self.summary.done or self.summary.failed):
+            write_table(self.summary.done, self.out, self.summary.failed)
+            if self.options.watch and self.options.report:
+                write_report(self.out)
+
+    def _outcome(self, s: Submitted) -> tuple[dict[str, str], str | None]:
+        """(rank 0's {checkpoint: "evaluated" | "reused"}, None) or ({}, one line saying why the job failed)."""
+        from submitit.core.utils import FailedJobError, UncompletedJobError
+
+        try:
+            return s.job.results()[0], None
+        except FailedJobError as e:  # the function raised: the last line of its traceback names the error
+            trace = [line for line in str(e).split("-" * 22)[1].splitlines() if line.strip()] if "-" * 22 in str(
+                e) else [str(e)]
+            return {}, trace[-1].strip() if trace else "failed"
+        except UncompletedJobError:
+            return {}, (f"ended without a result (state {s.job.state}: killed, out of memory or past --time "
+                        f"{self.launch.time_min} min?)")
+
+    def _merge(self, item: WorkItem, status: str | None, s: Submitted, error: str | None, last_try: bool) -> bool:
+        """Record one checkpoint of an ended job; False when it must be tried again."""
+        import json
+
+        path = self.out / item.ckpt.name / "results.json"
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, ValueError):
+            doc = {}
+        written = doc.get("sweep", {}).get("evaluation_identity") == item.identity
+        if written and not doc.get("failed_tasks"):
+            self.summary.done[item.ckpt.step] = path
+            (self.summary.reused if status == "reused" else self.summary.evaluated).append(item.ckpt.name)
+            print(f"nano_eval: {item.ckpt.name} (step {item.ckpt.step}): "
+                  f"{'already evaluated' if status == 'reused' else 'evaluated'} (job {s.job.job_id})", flush=True)
+            self._after_merge(item, path)
+            return True
+        if not last_try:
+            return False
+        if written:  # scored, but some tasks failed twice: kept with an error row, as the sequential sweep does
+            self.summary.done[item.ckpt.step] = path
+            failed = "; ".join(f"{k}: {why}" for k, why in doc["failed_tasks"].items())
+            self._record_failure(item, TasksFailedError(f"task(s) failed while being scored: {failed} (job "
+                                                        f"{s.job.job_id}, log: {s.log})"))
+            self._after_merge(item, path)
+        else:
+            self._record_failure(item, NanoEvalError(f"job {s.job.job_id} failed twice: {error or 'no results'}; "
+                                                     f"log: {s.log}"))
+        return True
+
+    def _after_merge(self, item: WorkItem, path: Path) -> None:
+        if self.wandb is not None:  # items merged here were scored by this sweep's jobs (reused ones: _process)
+            self._log_wandb(path)
+        if self.after_checkpoint is not None:
+            self.after_checkpoint(item.ckpt, False)

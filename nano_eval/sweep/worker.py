@@ -1,0 +1,98 @@
+"""What one launcher job runs (`--launcher local|slurm`): evaluate a group of checkpoints in the job's own
+process(es), each exactly as the sequential sweep would, each written atomically to `<out>/<checkpoint>/`.
+
+submitit pickles `run_group` and its arguments, starts the job (a local process, or an sbatch job whose `srun`
+starts one process per GPU), and pickles its return value back. With several tasks in a job (`--nodes` x
+`--gpus-per-node`) each task is one rank: submitit's TorchDistributedEnvironment gives it RANK / WORLD_SIZE /
+MASTER_ADDR / MASTER_PORT, the ranks join one process group and evaluate each checkpoint data-parallel (or in the
+`--backend nanotron --tp --pp` layout), as under torchrun; rank 0 writes.
+
+A checkpoint whose results file already has the item's evaluation identity is not evaluated again (a retried or
+repeated job redoes nothing). A checkpoint that fails is recorded and the group goes on; the job then raises
+(`GroupFailed`), so the launcher sees a failed job, names its log and retries it once.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+from nano_eval.job import EvalJob
+from nano_eval.sweep.runner import WorkItem, evaluate_item, finished_identity, free_memory
+from nano_eval.tracking.wandb_logger import one_line
+
+
+class GroupFailed(RuntimeError):
+    """Some checkpoints of a job's group failed (the message names each, with its error)."""
+
+
+def run_group(job: EvalJob, run_dir: str, items: list[WorkItem], dist_timeout_s: float) -> dict[str, str]:
+    """Evaluate `items` in order on every rank of this job; returns {checkpoint name: "evaluated" | "reused"}
+    (rank 0's answer is the job's result). Raises GroupFailed after the last item when any of them failed."""
+    from nano_eval.tasks import load_tasks
+
+    _join_job_ranks(job.load.device, dist_timeout_s)
+    main = _rank() == 0
+    if main:
+        print(f"nano_eval job: pid {os.getpid()}, checkpoints {', '.join(i.ckpt.name for i in items)}", flush=True)
+    tasks = load_tasks(job.tasks, custom_tasks=job.custom_tasks, data_dir=job.data_dir)
+    status, failed = {}, []
+    for item in items:
+        name = item.ckpt.name
+        if finished_identity(Path(job.output_dir) / name / "results.json") == item.identity:
+            status[name] = "reused"
+            continue
+        start = time.perf_counter()
+        try:
+            evaluate_item(job, tasks, Path(run_dir), item)
+            status[name] = "evaluated"
+            if main:
+                print(f"nano_eval job: {name} (step {item.ckpt.step}): evaluated in "
+                      f"{time.perf_counter() - start:.1f}s", flush=True)
+        except Exception as e:  # noqa: BLE001 -- recorded; the group's other checkpoints still run
+            failed.append(f"{name} (step {item.ckpt.step}): {one_line(e, limit=1000)}")
+            if main:
+                import traceback
+
+                traceback.print_exception(e)
+        free_memory()
+    _leave_job_ranks()
+    if failed:
+        raise GroupFailed("; ".join(failed))
+    return status
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def _join_job_ranks(device: str, timeout_s: float) -> None:
+    """One process group over the job's tasks when it has several (gloo on CPU, nccl on CUDA)."""
+    import submitit
+    import torch
+    import torch.distributed as dist
+
+    try:
+        tasks = submitit.JobEnvironment().num_tasks
+    except RuntimeError:  # called outside a submitit job (a plain call, e.g. from a debugger): one process
+        return
+    if tasks <= 1 or dist.is_initialized():
+        return
+    # keep every GPU visible: the rank picks its own by LOCAL_RANK, as under torchrun
+    env = submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
+    if device.startswith("cuda"):
+        torch.cuda.set_device(env.local_rank)
+    print(f"nano_eval job: rank {env.rank} of {env.world_size} (master {env.master_addr}:{env.master_port})",
+          file=sys.stderr, flush=True)
+    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", timeout=timedelta(seconds=timeout_s))
+
+
+def _leave_job_ranks() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

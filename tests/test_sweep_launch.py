@@ -1,0 +1,211 @@
+"""Sweeps fanned out as submitit jobs (`--launcher local|slurm`).
+
+The local launcher runs real submitit jobs (LocalExecutor: a controller process per job, one task process each) on
+checkpoints of a real short training run (tests/sweep_utils.py): 3 jobs over 6 checkpoints give exactly the
+sequential sweep's files, a job killed mid-way is reported with its log and retried without redoing what it had
+finished, a second sweep into the busy folder is refused, and rerunning the command submits nothing.
+
+Slurm cannot run here: the sbatch script the executor would submit is built by submitit's own SlurmExecutor and
+inspected. Its constructor refuses to run where `srun` is missing, so that test puts a stand-in `srun` (a shell
+script that only exits 0, never called for the sbatch text) on PATH.
+"""
+
+import json
+import os
+import re
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from nano_eval.cli import main as run_main
+from tests.sweep_utils import one_thread, train_run_dir
+
+pytest.importorskip("submitit")
+
+TASKS = "demo|arithmetic|0,demo|arithmetic_ppl|0"
+STEPS = [8, 16, 24, 32, 40, 48]
+
+
+def _args(run: Path, out: Path, *extra: str) -> list[str]:
+    return ["sweep", str(run), "--tasks", TASKS, "--output-dir", str(out), "--max-samples", "4", "--settle-s", "0",
+            *extra]
+
+
+@pytest.fixture(scope="module")
+def sequential(tmp_path_factory):
+    """Six checkpoints of one short training run, and the sequential (in-process) sweep of them."""
+    base = tmp_path_factory.mktemp("launch")
+    train_run_dir(base / "run", saves=6, steps_per_save=8)
+    with one_thread():
+        assert run_main(_args(base / "run", base / "sequential", "--no-report")) == 0
+    return base / "run", base / "sequential"
+
+
+def _job_logs(jobs: Path) -> dict[str, tuple[int, list[str]]]:
+    """{job id: (pid of its task process, its checkpoints)} for every job that has started its group."""
+    found = {}
+    for log in jobs.glob("*_0_log.out"):
+        m = re.search(r"nano_eval job: pid (\d+), checkpoints (.+)", log.read_text())
+        if m:
+            found[log.name.split("_")[0]] = (int(m.group(1)), m.group(2).split(", "))
+    return found
+
+
+def _wait(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
+        time.sleep(0.02)
+    return value
+
+
+def test_local_launcher_equals_sequential_survives_a_killed_job_and_reruns_idempotently(sequential, tmp_path,
+                                                                                        capsys, monkeypatch):
+    run, reference = sequential
+    out = tmp_path / "out"
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the job processes inherit it: 3 jobs share 2 cores
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+    codes = []
+    driver = threading.Thread(target=lambda: codes.append(run_main(
+        _args(run, out, "--no-report", "--launcher", "local", "--group-size", "2"))))
+    driver.start()
+    try:
+        # A second sweep into the folder the driver holds is refused (and touches nothing).
+        _wait(lambda: (out / "sweep_settings.json").exists(), 120, "the driver to claim its folder")
+        assert run_main(_args(run, out)) == 2
+        assert "is in use by another sweep" in capsys.readouterr().err
+
+        # Kill one job's process (SIGKILL: nothing tidies up) once it has written its first checkpoint.
+        def first_done():
+            for job_id, (pid, names) in _job_logs(out / "jobs").items():
+                if (out / names[0] / "results.json").exists():
+                    return job_id, pid, names
+            return None
+
+        job_id, pid, names = _wait(first_done, 240, "a job's first checkpoint")
+        os.kill(pid, signal.SIGKILL)
+        first_mtime = (out / names[0] / "results.json").stat().st_mtime_ns
+        assert not (out / names[1] / "results.json").exists(), "the job finished its group before the kill"
+    finally:
+        driver.join(timeout=600)
+    assert codes == [0]
+    printed = capsys.readouterr()
+    log = out / "jobs" / f"{job_id}_0_log.err"
+    assert f"job {job_id} ({', '.join(names)}) failed: ended without a result" in printed.err
+    assert f"log: {log}; resubmitting what it left unscored once" in printed.err and log.exists()
+    assert re.search(rf"job \d+ resubmitted: {names[1]} \(log: ", printed.out)  # only what it had left
+    assert "6 evaluated, 0 reused" in printed.out
+    assert (out / names[0] / "results.json").stat().st_mtime_ns == first_mtime  # not scored twice
+
+    # Exactly the sequential sweep: the same table, the same scores and details per checkpoint.
+    assert (out / "sweep_results.csv").read_text() == (reference / "sweep_results.csv").read_text()
+    for step in STEPS:
+        ours, theirs = (json.loads((d / f"checkpoint-{step}" / "results.json").read_text()) for d in (out, reference))
+        assert ours["results"] == theirs["results"] and ours["sweep"] == theirs["sweep"], step
+        assert sorted(p.name for p in (out / f"checkpoint-{step}" / "details").iterdir()) == sorted(
+            p.name for p in (reference / f"checkpoint-{step}" / "details").iterdir())
+
+    # Rerunning the command submits nothing and changes nothing.
+    jobs_before = sorted(p.name for p in (out / "jobs").iterdir())
+    mtimes = {p: p.stat().st_mtime_ns for p in out.glob("checkpoint-*/results.json")}
+    assert run_main(_args(run, out, "--no-report", "--launcher", "local", "--group-size", "2")) == 0
+    assert "0 evaluated, 6 reused" in capsys.readouterr().out
+    assert sorted(p.name for p in (out / "jobs").iterdir()) == jobs_before
+    assert {p: p.stat().st_mtime_ns for p in out.glob("checkpoint-*/results.json")} == mtimes
+    assert (out / "sweep_results.csv").read_text() == (reference / "sweep_results.csv").read_text()
+
+
+@pytest.mark.slow
+def test_a_job_that_fails_twice_is_recorded_with_its_log(sequential, tmp_path, capsys, monkeypatch):
+    import shutil
+
+    from nano_eval.sweep.table import read_table
+
+    run = tmp_path / "run"
+    shutil.copytree(sequential[0] / "checkpoint-8", run / "checkpoint-8")
+    shutil.copytree(sequential[0] / "checkpoint-16", run / "checkpoint-16")
+    (run / "checkpoint-16" / "config.json").write_text("{not json")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    out = tmp_path / "out"
+    assert run_main(_args(run, out, "--no-report", "--launcher", "local")) == 1
+    err = capsys.readouterr().err
+    assert err.count("checkpoint-16) failed:") == 2 and "no more retries" in err
+    rows = read_table(out)
+    [failed] = [r for r in rows if r["error"]]
+    assert failed["step"] == 16 and "failed twice" in failed["error"] and "config.json" in failed["error"]
+    assert re.search(r"log: \S+/jobs/\d+_0_log\.err", failed["error"])
+    assert {r["step"] for r in rows if not r["error"]} == {8}
+
+
+@pytest.mark.slow
+def test_watch_submits_each_new_checkpoint_as_it_appears(sequential, tmp_path, monkeypatch):
+    import shutil
+
+    run, reference = sequential
+    watched, out = tmp_path / "run", tmp_path / "out"
+    shutil.copytree(run / "checkpoint-8", watched / "checkpoint-8")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    codes = []
+    driver = threading.Thread(target=lambda: codes.append(run_main(
+        _args(watched, out, "--no-report", "--launcher", "local", "--watch", "--poll-s", "0.2", "--until-step", "16"))))
+    driver.start()
+    try:
+        _wait(lambda: (out / "checkpoint-8" / "results.json").exists(), 240, "the first checkpoint")
+        shutil.copytree(run / "checkpoint-16", tmp_path / "checkpoint-16.tmp")  # written, then renamed into place
+        (tmp_path / "checkpoint-16.tmp").rename(watched / "checkpoint-16")
+    finally:
+        driver.join(timeout=600)
+    assert codes == [0]
+    assert len(list((out / "jobs").glob("*_submitted.pkl"))) == 2  # one job per checkpoint, as each appeared
+    for step in (8, 16):
+        ours, theirs = (json.loads((d / f"checkpoint-{step}" / "results.json").read_text()) for d in (out, reference))
+        assert ours["results"] == theirs["results"], step
+
+
+# ---- what the executors are given ---------------------------------------------------------------------------------
+
+def test_slurm_job_script_carries_the_options(tmp_path, monkeypatch):
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    from nano_eval.cli.sweep import launch_options, parse
+    from nano_eval.sweep.launch import make_executor
+
+    args = parse(["run", "--tasks", "demo|arithmetic|0", "--launcher", "slurm", "--slurm-partition", "h100",
+                  "--gpus-per-node", "8", "--nodes", "2", "--time", "90", "--account", "pretrain",
+                  "--array-parallelism", "4", "--group-size", "5"])
+    options = launch_options(args)
+    assert options.group_size == 5
+    monkeypatch.setenv("PATH", str(tmp_path))  # no srun: not a Slurm machine
+    from nano_eval.errors import NanoEvalError
+
+    with pytest.raises(NanoEvalError, match="srun.*Fix: run the sweep on a Slurm login node"):
+        make_executor(options, tmp_path / "jobs")
+    srun = tmp_path / "srun"  # stand-in so submitit's SlurmExecutor can be built (see the module docstring)
+    srun.write_text("#!/bin/sh\nexit 0\n")
+    srun.chmod(0o755)
+    executor = make_executor(options, tmp_path / "jobs")
+    script = executor._make_submission_file_text(executor._submitit_command_str, "uid")
+    for line in ("#SBATCH --partition=h100", "#SBATCH --gpus-per-node=8", "#SBATCH --ntasks-per-node=8",
+                 "#SBATCH --nodes=2", "#SBATCH --time=90", "#SBATCH --account=pretrain",
+                 "#SBATCH --job-name=nano_eval_sweep"):
+        assert line in script, (line, script)
+    assert "srun" in script and "submitit.core._submit" in script  # srun starts one rank per GPU
+    array = _make_sbatch_string(command="x", folder=tmp_path, map_count=7, **executor.parameters)
+    assert "#SBATCH --array=0-6%4" in array
+
+
+def test_launcher_options_are_checked_before_anything_runs(tmp_path, capsys):
+    from nano_eval.cli.sweep import build_parser
+
+    helptext = build_parser().format_help()
+    for default in ("checkpoints per job (default: 1)", "(default: 60)", "(default: 64)"):
+        assert default in " ".join(helptext.split()), default
+    run = tmp_path / "run"
+    run.mkdir()
+    assert run_main(["sweep", str(run), "--tasks", "demo|arithmetic|0", "--output-dir", str(tmp_path / "o"),
+                     "--launcher", "local", "--nodes", "2"]) == 2
+    assert "--launcher local runs its jobs on this machine: --nodes 2" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
