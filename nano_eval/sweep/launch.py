@@ -19,6 +19,8 @@ what they finished. The driver must stay alive while the jobs run (a login-node 
 
 from __future__ import annotations
 
+import math
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -126,10 +128,9 @@ class LaunchedSweep(SweepRunner):
                 self._collect()
                 if next_look is None and not self.running:
                     return
-                wait = JOB_POLL_S[self.launch.launcher]
+                wait = JOB_POLL_S[self.launch.launcher] if self.running else math.inf
                 if next_look is not None:
-                    wait = min(wait, max(0.0, next_look - time.monotonic())) if self.running else max(
-                        0.0, next_look - time.monotonic())
+                    wait = min(wait, max(0.0, next_look - time.monotonic()))
                 stop.sleep(wait)
         finally:
             for s in self.running:  # stopped (or crashed): leave no job behind
@@ -167,7 +168,7 @@ class LaunchedSweep(SweepRunner):
         with self.executor.batch():  # one Slurm array (one sbatch) per round
             for group in groups:
                 jobs.append(self.executor.submit(run_group, self.job, str(self.run_dir), group,
-                                                 self.launch.dist_timeout_s))
+                                                 self.launch.dist_timeout_s, os.getcwd()))
         for job, group in zip(jobs, groups):
             if self.launch.launcher == "local":
                 job._results_timeout_s = 1  # submitit waits 15 s for a result file on shared file systems

@@ -29,11 +29,17 @@ class GroupFailed(RuntimeError):
     """Some checkpoints of a job's group failed (the message names each, with its error)."""
 
 
-def run_group(job: EvalJob, run_dir: str, items: list[WorkItem], dist_timeout_s: float) -> dict[str, str]:
+def run_group(job: EvalJob, run_dir: str, items: list[WorkItem], dist_timeout_s: float,
+              cwd: str | None = None) -> dict[str, str]:
     """Evaluate `items` in order on every rank of this job; returns {checkpoint name: "evaluated" | "reused"}
-    (rank 0's answer is the job's result). Raises GroupFailed after the last item when any of them failed."""
+    (rank 0's answer is the job's result). Raises GroupFailed after the last item when any of them failed.
+
+    cwd: the driver's working directory, so relative paths (output dir, checkpoints, task files) mean there what
+    they meant to the driver, and results.json records them as the sequential sweep does."""
     from nano_eval.tasks import load_tasks
 
+    if cwd is not None:
+        os.chdir(cwd)
     _join_job_ranks(job.load.device, dist_timeout_s)
     main = _rank() == 0
     if main:
