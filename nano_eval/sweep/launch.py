@@ -133,10 +133,12 @@ class LaunchedSweep(SweepRunner):
                     wait = min(wait, max(0.0, next_look - time.monotonic()))
                 stop.sleep(wait)
         finally:
-            for s in self.running:  # stopped (or crashed): leave no job behind
+            for s in self.running:  # stopped (or crashed): leave no job behind, keep what it finished
                 s.job.cancel(check=False)
-                print(f"nano_eval: job {s.job.job_id} cancelled ({', '.join(i.ckpt.name for i in s.items)}); "
-                      "rerun the command to score them", file=sys.stderr, flush=True)
+                left = [i.ckpt.name for i in s.items if not self._merge(i, None, s, "cancelled", last_try=False)]
+                if left:
+                    print(f"nano_eval: job {s.job.job_id} cancelled before scoring {', '.join(left)}; rerun the "
+                          "command to score them", file=sys.stderr, flush=True)
 
     def _plan_round(self) -> float | None:
         """Look at the run directory: merge reused checkpoints, submit the others in groups. Returns when to look
