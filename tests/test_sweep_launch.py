@@ -165,6 +165,51 @@ def test_watch_submits_each_new_checkpoint_as_it_appears(sequential, tmp_path, m
         assert ours["results"] == theirs["results"], step
 
 
+@pytest.mark.slow
+def test_a_job_with_two_ranks_scores_data_parallel_like_one(sequential, tmp_path, monkeypatch):
+    """`--gpus-per-node 2` on the local launcher: one job, two task processes that join one gloo group through
+    submitit's TorchDistributedEnvironment and evaluate data-parallel (what srun does on a Slurm node)."""
+    import shutil
+
+    run, reference = sequential
+    one = tmp_path / "run"
+    shutil.copytree(run / "checkpoint-48", one / "checkpoint-48")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    out = tmp_path / "out"
+    assert run_main(_args(one, out, "--no-report", "--launcher", "local", "--gpus-per-node", "2")) == 0
+    ours, theirs = (json.loads((d / "checkpoint-48" / "results.json").read_text()) for d in (out, reference))
+    assert ours["layout"]["dp"] == 2 and theirs["layout"]["dp"] == 1
+    for task, metrics in theirs["results"].items():
+        for metric, value in metrics.items():
+            assert ours["results"][task][metric] == pytest.approx(value, rel=1e-5, abs=1e-9), (task, metric)
+    assert "rank 1 of 2" in next((out / "jobs").glob("*_1_log.err")).read_text()
+
+
+@pytest.mark.slow
+def test_sigterm_cancels_the_running_jobs(sequential, tmp_path):
+    import shutil
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    shutil.copytree(sequential[0] / "checkpoint-8", run / "checkpoint-8")
+    out, log = tmp_path / "out", tmp_path / "log.txt"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "nano_eval", *_args(run, out, "--launcher", "local", "--watch",
+                                                                        "--poll-s", "0.2")],
+                            stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+    try:
+        _, (pid, names) = _wait(lambda: next(iter(_job_logs(out / "jobs").items()), None), 240, "the job to start")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM, log.read_text()[-3000:]
+    finally:
+        proc.kill()
+        proc.wait()
+    assert names == ["checkpoint-8"] and "cancelled before scoring checkpoint-8" in log.read_text()
+    _wait(lambda: not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2],
+          30, "the job's process to end")
+
+
 # ---- what the executors are given ---------------------------------------------------------------------------------
 
 def test_slurm_job_script_carries_the_options(tmp_path, monkeypatch):

@@ -46,7 +46,7 @@ def build_parser() -> Parser:
     g = p.add_argument_group("fan out as jobs (submitit; without --launcher the sweep runs in this process)")
     g.add_argument("--launcher", choices=LAUNCHERS, default=None,
                    help="submit one job per group of checkpoints: slurm (sbatch job arrays) or local (processes on "
-                        "this machine); this process waits, merges and reports")
+                        "this machine); this process waits, merges and reports (default: none, the sweep runs here)")
     g.add_argument("--group-size", type=positive_int, default=1, help="checkpoints per job (default: %(default)s)")
     g.add_argument("--slurm-partition", default=None, help="Slurm partition (default: the cluster's default)")
     g.add_argument("--gpus-per-node", type=non_negative_int, default=1,

@@ -2,7 +2,9 @@
 
     nano_eval sweep RUN_DIR --tasks SPECS --output-dir OUT [--every K] [--last N] [--watch --until-step S]
 
-discovery.py finds and selects checkpoints, runner.py evaluates them, table.py and report.py summarise.
+discovery.py finds and selects checkpoints, runner.py evaluates them (launch.py + worker.py: as submitit jobs with
+--launcher local|slurm), table.py and report.py summarise, snr.py ranks tasks by signal-to-noise, compare.py puts
+several runs' sweeps side by side (`nano_eval compare`).
 """
 
 from nano_eval.sweep.discovery import Checkpoint, discover, select

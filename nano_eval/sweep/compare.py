@@ -207,6 +207,7 @@ def _page(runs: dict, found: list[Difference], threshold: float) -> str:
             f"</head><body><h1>nano_eval compare: {', '.join(html.escape(n) for n in names)}</h1>"
             f"<p>Baseline: {html.escape(names[0])}. Each run is read at the last consumed-token count both it and "
             "the baseline reached, from a line through its last checkpoints there; flagged: |difference| &gt; "
-            f"{threshold:g} &times; sqrt(se<sub>run</sub>&sup2; + se<sub>baseline</sub>&sup2;) (README).</p><table><tr><th>task</th><th>metric</th><th>run</th><th>at</th>"
+            f"{threshold:g} &times; sqrt(se<sub>run</sub>&sup2; + se<sub>baseline</sub>&sup2;) (README).</p>"
+            "<table><tr><th>task</th><th>metric</th><th>run</th><th>at</th>"
             "<th>value</th><th>baseline</th><th>difference</th><th>noise</th><th>z</th><th>flagged</th></tr>"
             f"{rows}</table>{figures}</body></html>\n")

@@ -19,6 +19,8 @@ what they finished. The driver must stay alive while the jobs run (a login-node 
 
 from __future__ import annotations
 
+import math
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -126,16 +128,17 @@ class LaunchedSweep(SweepRunner):
                 self._collect()
                 if next_look is None and not self.running:
                     return
-                wait = JOB_POLL_S[self.launch.launcher]
+                wait = JOB_POLL_S[self.launch.launcher] if self.running else math.inf
                 if next_look is not None:
-                    wait = min(wait, max(0.0, next_look - time.monotonic())) if self.running else max(
-                        0.0, next_look - time.monotonic())
+                    wait = min(wait, max(0.0, next_look - time.monotonic()))
                 stop.sleep(wait)
         finally:
-            for s in self.running:  # stopped (or crashed): leave no job behind
+            for s in self.running:  # stopped (or crashed): leave no job behind, keep what it finished
                 s.job.cancel(check=False)
-                print(f"nano_eval: job {s.job.job_id} cancelled ({', '.join(i.ckpt.name for i in s.items)}); "
-                      "rerun the command to score them", file=sys.stderr, flush=True)
+                left = [i.ckpt.name for i in s.items if not self._merge(i, None, s, "cancelled", last_try=False)]
+                if left:
+                    print(f"nano_eval: job {s.job.job_id} cancelled before scoring {', '.join(left)}; rerun the "
+                          "command to score them", file=sys.stderr, flush=True)
 
     def _plan_round(self) -> float | None:
         """Look at the run directory: merge reused checkpoints, submit the others in groups. Returns when to look
@@ -167,7 +170,7 @@ class LaunchedSweep(SweepRunner):
         with self.executor.batch():  # one Slurm array (one sbatch) per round
             for group in groups:
                 jobs.append(self.executor.submit(run_group, self.job, str(self.run_dir), group,
-                                                 self.launch.dist_timeout_s))
+                                                 self.launch.dist_timeout_s, os.getcwd()))
         for job, group in zip(jobs, groups):
             if self.launch.launcher == "local":
                 job._results_timeout_s = 1  # submitit waits 15 s for a result file on shared file systems

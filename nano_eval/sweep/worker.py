@@ -10,6 +10,9 @@ MASTER_ADDR / MASTER_PORT, the ranks join one process group and evaluate each ch
 A checkpoint whose results file already has the item's evaluation identity is not evaluated again (a retried or
 repeated job redoes nothing). A checkpoint that fails is recorded and the group goes on; the job then raises
 (`GroupFailed`), so the launcher sees a failed job, names its log and retries it once.
+
+Limitation (as in the sequential sweep): an error on only some ranks of a job leaves the others waiting in a
+collective until --dist-timeout; then they fail too and the job counts as failed.
 """
 
 from __future__ import annotations
@@ -29,11 +32,17 @@ class GroupFailed(RuntimeError):
     """Some checkpoints of a job's group failed (the message names each, with its error)."""
 
 
-def run_group(job: EvalJob, run_dir: str, items: list[WorkItem], dist_timeout_s: float) -> dict[str, str]:
+def run_group(job: EvalJob, run_dir: str, items: list[WorkItem], dist_timeout_s: float,
+              cwd: str | None = None) -> dict[str, str]:
     """Evaluate `items` in order on every rank of this job; returns {checkpoint name: "evaluated" | "reused"}
-    (rank 0's answer is the job's result). Raises GroupFailed after the last item when any of them failed."""
+    (rank 0's answer is the job's result). Raises GroupFailed after the last item when any of them failed.
+
+    cwd: the driver's working directory, so relative paths (output dir, checkpoints, task files) mean there what
+    they meant to the driver, and results.json records them as the sequential sweep does."""
     from nano_eval.tasks import load_tasks
 
+    if cwd is not None:
+        os.chdir(cwd)
     _join_job_ranks(job.load.device, dist_timeout_s)
     main = _rank() == 0
     if main:
