@@ -18,8 +18,8 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip
 import torch  # noqa: E402
 
 from nano_eval.errors import NanoEvalError  # noqa: E402
-from tests.megatron_worker import (BATCH_TOKENS, EVAL_INTERVAL, GLOBAL_BATCH, ITERATION, LAYOUTS,  # noqa: E402
-                                   MAX_SAMPLES, SEQ, TASKS, TRAIN_ITERS)
+from tests.megatron_worker import (BATCH_TOKENS, EVAL_INTERVAL, GEN_TOKENS, GLOBAL_BATCH, ITERATION,  # noqa: E402
+                                   LAYOUTS, MAX_SAMPLES, SEQ, TASKS, TRAIN_ITERS)
 
 EXACT = ("acc", "acc_norm", "acc_norm_token", "acc_norm_pmi", "exact_match", "quasi_exact_match")
 ITER = f"iter_{ITERATION:07d}"
@@ -90,6 +90,60 @@ def test_output_layer_computes_scored_positions_only(world, name):
     print(f"{name}: output layer computed {scored * 4 / 2**20:.2f} MiB of fp32 logits instead of "
           f"{full * 4 / 2**20:.2f} MiB ({full / scored:.2f}x less)")  # demo rows: short, perplexity scores all
     assert 0 < scored < full
+
+
+# ---- greedy generation from megatron-core's static KV cache ---------------------------------------------------
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_kv_cache_generations_equal_the_rerun_path(world, name):
+    """Every layout but the interleaved one decodes from the KV cache (nano_eval.backends.megatron_cache) and gets
+    the re-run path's tokens and texts: mixed prompt lengths, the cache growing twice, rows leaving the batch at
+    different steps; the decoder's hooks are gone afterwards. The interleaved pipeline keeps the re-run path."""
+    gens = [r[name]["generation"] for r in world["ranks"]]
+    assert all(r[name]["hooks_left_after_generation"] == 0 for r in world["ranks"])
+    if LAYOUTS[name][2]:  # several chunks per stage: documented fallback
+        assert not any(g["decoder"] for g in gens)
+        return
+    for g in gens:
+        assert g["decoder"]
+        assert g["cached"] == g["rerun"] and g["cached_stop"] == g["rerun_stop"]
+    assert len({len(tokens) for tokens, _, _ in gens[0]["cached_stop"].values()}) > 2  # rows finished apart
+
+
+@pytest.mark.parametrize("name", [n for n, (_, _, vp, _) in LAYOUTS.items() if not vp])
+def test_kv_cache_cost_grows_with_prompt_plus_answer(world, name):
+    """Tokens through the embedding (first stage, summed over DP): the decoder runs each prompt once (left-padded
+    to its batch's longest) and each generated token once; the re-run path runs prompt + answer-so-far for every
+    new token, which the decoder's count must stay far below."""
+    gens = [r[name]["generation"] for r in world["ranks"] if r[name]["generation"]["first_stage"]]
+    gens = [g for g in gens if g["tp_rank"] == 0]  # TP ranks embed the same tokens
+    cached, rerun = sum(g["cached_tokens"] for g in gens), sum(g["rerun_tokens"] for g in gens)
+    requests = gens[0]["cached"].values()  # (tokens, text, prompt length), gathered over DP
+    longest, dp = max(n for _, _, n in requests), len(gens)
+    padded = -(-len(requests) // dp) * dp  # the DP sampler repeats requests to give every rank as many
+    assert cached <= padded * (longest + GEN_TOKENS)
+    assert rerun >= sum(n + t for tokens, _, n in requests for t in range(len(tokens)))
+    print(f"{name}: {cached} tokens through the model with the KV cache, {rerun} re-running ({rerun / cached:.1f}x)")
+    assert rerun > 5 * cached
+
+
+def test_generations_identical_across_layouts_and_transformers(world, toy_checkpoint):
+    """tp1 (dp4), tp2, pp2 and tp2 x pp2 with sequence parallelism decode the same tokens as transformers'
+    LlamaForCausalLM with the same weights (its own KV cache, nano_eval's transformers backend)."""
+    from transformers import AutoTokenizer
+
+    from nano_eval.backends.transformers import TransformersModel
+    from tests.megatron_gpt import transformers_llama
+    from tests.megatron_worker import generate, stop_from
+
+    backend = TransformersModel(transformers_llama(), AutoTokenizer.from_pretrained(str(toy_checkpoint)))
+    reference = generate(backend, [])
+    reference_stop = generate(backend, stop_from(reference))
+    decoded = [name for name, (_, _, vp, _) in LAYOUTS.items() if not vp]
+    assert len(decoded) == 4
+    for name in decoded:
+        gen = world["ranks"][0][name]["generation"]
+        assert gen["cached"] == reference and gen["cached_stop"] == reference_stop, name
 
 
 def test_logprobs_match_megatrons_vocab_parallel_cross_entropy(world):
