@@ -90,73 +90,18 @@ def score_layout(name, tokenizer_dir, root: Path) -> dict:
     return out
 
 
-GEN_TOKENS, HEADROOM = 24, 4  # the KV cache starts at the longest prompt + HEADROOM columns: it grows twice
-GEN_PROMPTS = [f"Question: {i} plus {3 * i}\nAnswer:" + " so" * (i % 5) for i in range(6)]  # mixed lengths
-
-
-class Rerunning:
-    """The Megatron backend without `incremental_decoder`: generation re-runs the prompt for every new token."""
-
-    def __init__(self, backend):
-        self.forward, self.layout, self.module = backend.forward, backend.layout, backend.module
-        self.tokenizer, self.max_length = backend.tokenizer, backend.max_length
-
-
-def generate(backend, stop: list[str]) -> dict:
-    """{request key: (generated tokens, text, prompt length)} for GEN_PROMPTS, GEN_TOKENS new tokens at most."""
-    from nano_eval.engine import BatchingConfig, Engine
-    from nano_eval.tasks.requests import GreedyUntilRequest
-
-    requests = [GreedyUntilRequest("t", i, 0, p, stop_sequence=stop, generation_size=GEN_TOKENS)
-                for i, p in enumerate(GEN_PROMPTS)]
-    engine = Engine(backend, BatchingConfig(max_batch_tokens=400), progress=False)
-    results = engine.run_greedy(engine.prepare_greedy(requests))
-    return {k: (r.tokens, r.text, len(r.input_tokens)) for k, r in sorted(results.items())}
-
-
-def stop_from(generations: dict) -> list[str]:
-    """A stop sequence that rows of this model hit at different steps: the 6th character of the first text."""
-    return [next(iter(generations.values()))[1][5]]
-
-
 def generation_checks(backend, chunks) -> dict:
-    """Greedy generations of the KV-cache decoder and of the re-run path on the same model, and the tokens each
-    path put through the embedding on this rank (first stage only): a run without stop sequences (GEN_TOKENS
-    steps: the cache grows) and one with `stop_from` (rows leave the batch at different steps). Skipped where
-    the backend has no decoder (both paths would re-run the prompt)."""
-    import time
-
+    """tests/generation_checks.py's decoder vs re-run comparison, with the KV cache starting at the longest
+    prompt + 4 columns, so it grows twice in GEN_TOKENS steps."""
     from nano_eval.backends.megatron_cache import StaticCacheDecoder
     from nano_eval.compat.megatron import unwrap
+    from tests.generation_checks import cached_and_rerun
 
-    embedded = []
-
-    def count(module, args, kwargs, output):
-        embedded.append((args[0] if args else kwargs["input_ids"]).numel())
-
-    def counted(model_backend, stop):
-        embedded.clear()
-        return generate(model_backend, stop), sum(embedded)
-
-    model = unwrap(chunks[0])
-    handle = (model.embedding.register_forward_hook(count, with_kwargs=True)
-              if getattr(model, "embedding", None) is not None else None)
-    out = {"decoder": backend.incremental_decoder() is not None, "tp_rank": backend.layout.tp_rank,
-           "first_stage": handle is not None}
-    headroom, StaticCacheDecoder.headroom = StaticCacheDecoder.headroom, HEADROOM
-    start = time.perf_counter()
+    headroom, StaticCacheDecoder.headroom = StaticCacheDecoder.headroom, 4
     try:
-        if out["decoder"]:
-            out["cached"], out["cached_tokens"] = counted(backend, [])
-            out["rerun"], out["rerun_tokens"] = counted(Rerunning(backend), [])
-            stop = stop_from(out["cached"])
-            out["cached_stop"], out["rerun_stop"] = generate(backend, stop), generate(Rerunning(backend), stop)
+        return cached_and_rerun(backend, getattr(unwrap(chunks[0]), "embedding", None))
     finally:
         StaticCacheDecoder.headroom = headroom
-        if handle is not None:
-            handle.remove()
-    out["seconds"] = time.perf_counter() - start
-    return out
 
 
 def example_save_checkpoint():
@@ -171,9 +116,13 @@ def example_save_checkpoint():
 
 
 def all_layouts(rank, world, tokenizer_dir, root, wandb_dir):
-    """World of 4: every layout of LAYOUTS scored (and two saved), then the Megatron-style training run."""
+    """World of 4: every layout of LAYOUTS scored (and two saved), then the Megatron-style training run. One
+    thread per rank: 4 ranks share the machine's cores, and gloo waits spin."""
     import time
 
+    import torch
+
+    torch.set_num_threads(1)
     root, out, seconds, start = Path(root), {}, {}, time.perf_counter()
     for name in LAYOUTS:
         out[name] = score_layout(name, tokenizer_dir, root)

@@ -72,6 +72,7 @@ class MegatronModel:
 
         return None if unsupported_reason(self) else StaticCacheDecoder(self)
 
+    @torch.no_grad()
     def run(self, inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor], rows: torch.Tensor, cols: torch.Tensor,
             context=None) -> torch.Tensor | None:
         """One forward of (input_ids [B, S], position_ids [B, S], attention_mask [1 or B, 1, S, S_k] bool, True =
