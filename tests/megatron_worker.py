@@ -284,7 +284,7 @@ def training_checks(tokenizer_dir, hook_dir, wandb_dir) -> dict:
         os.environ.update(WANDB_SILENT="true", WANDB_DISABLE_GIT="true")
         run = wandb.init(project="nano_eval_test", dir=wandb_dir, mode="offline")
     args = training_args()
-    config = EvalHookConfig(tasks="demo|arithmetic|0", max_samples=6, output_dir=hook_dir)
+    config = EvalHookConfig(tasks="demo|arithmetic|0,demo|arithmetic_gen|0", max_samples=6, output_dir=hook_dir)
     hook = make_non_loss_data_func(config, _tokenizer(tokenizer_dir), get_args=lambda: args,
                                    micro_batch_size=MICRO_BATCH)
     with_hook = train_like_megatron(hook, args, run)

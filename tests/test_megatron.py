@@ -203,7 +203,8 @@ def test_example_legacy_save_scores_like_the_live_model(world, toy_checkpoint):
 
 def test_training_losses_are_bitwise_identical_with_the_hook(world):
     """pp2 x dp2, DDP + distributed optimizer, dropout 0.1: every rank's training and validation losses are the
-    same floats with and without the hook."""
+    same floats with and without the hook (which scores a log-likelihood task and a generative one, decoded from
+    the KV cache of the DDP-wrapped chunks)."""
     for rank in world["ranks"]:
         run = rank["training"]
         assert run["with"]["train"] == run["without"]["train"] and run["with"]["valid"] == run["without"]["valid"]

@@ -109,9 +109,10 @@ def test_layout_scores_equal_the_transformers_conversion(layouts, reference, lay
                          ids=["4-processes", "8-processes"])
 def test_more_layouts_score_equal_the_transformers_conversion(checkpoint, reference, world, layouts):
     got = _evaluate(world, checkpoint, layouts)
-    for name, tp, *_ in layouts:
+    for name, tp, _, tp_mode in layouts:
         assert_same_scores(got[name], reference, name)
         assert got[name]["logits_widths"] == {VOCAB // tp}
+        _assert_generations(got[name]["generation"], reference, name, tp_mode)
 
 
 @pytest.mark.parametrize("layout", [name for name, *_ in LAYOUTS])
@@ -120,8 +121,13 @@ def test_kv_cache_generations_equal_the_rerun_path_and_transformers(layouts, ref
     and texts as the re-run path and as transformers on the converted checkpoint (prompts of mixed lengths, rows
     leaving the batch at different steps), with prompt + answer tokens through the model, not their product.
     tp_mode REDUCE_SCATTER keeps the re-run path (documented fallback)."""
-    gens = layouts[layout]["generation"]
-    if "reduce_scatter" in layout:
+    tp_mode = next(mode for name, *_, mode in LAYOUTS if name == layout)
+    _assert_generations(layouts[layout]["generation"], reference, layout, tp_mode)
+
+
+def _assert_generations(gens: list[dict], reference: dict, layout: str, tp_mode: str) -> None:
+    """gens: tests/generation_checks.py's cached_and_rerun of every rank in `layout`."""
+    if tp_mode == "REDUCE_SCATTER":
         assert not any(g["decoder"] for g in gens)
         return
     for g in gens:
