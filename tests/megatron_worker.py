@@ -72,6 +72,8 @@ def score_layout(name, tokenizer_dir, root: Path) -> dict:
                             micro_batch_size=MICRO_BATCH)
     out = {"layout": backend.layout.describe(), "scores": summarize(backend, TASKS, BATCH_TOKENS, MAX_SAMPLES),
            "output_layer_calls": calls, "hooks_left": _hook_count(chunks) - hooks}
+    out["generation"] = generation_checks(backend, chunks)
+    out["hooks_left_after_generation"] = _hook_count(chunks) - hooks
     if name == "tp2":
         out["cross_entropy"] = cross_entropy_agreement(backend)
     if name in SAVED:
@@ -88,6 +90,20 @@ def score_layout(name, tokenizer_dir, root: Path) -> dict:
     return out
 
 
+def generation_checks(backend, chunks) -> dict:
+    """tests/generation_checks.py's decoder vs re-run comparison, with the KV cache starting at the longest
+    prompt + 4 columns, so it grows twice in GEN_TOKENS steps."""
+    from nano_eval.backends.megatron_cache import StaticCacheDecoder
+    from nano_eval.compat.megatron import unwrap
+    from tests.generation_checks import cached_and_rerun
+
+    headroom, StaticCacheDecoder.headroom = StaticCacheDecoder.headroom, 4
+    try:
+        return cached_and_rerun(backend, getattr(unwrap(chunks[0]), "embedding", None))
+    finally:
+        StaticCacheDecoder.headroom = headroom
+
+
 def example_save_checkpoint():
     """`save_checkpoint` of examples/megatron_train_with_eval.py (a script, not a package: loaded by path)."""
     import importlib.util
@@ -100,9 +116,13 @@ def example_save_checkpoint():
 
 
 def all_layouts(rank, world, tokenizer_dir, root, wandb_dir):
-    """World of 4: every layout of LAYOUTS scored (and two saved), then the Megatron-style training run."""
+    """World of 4: every layout of LAYOUTS scored (and two saved), then the Megatron-style training run. One
+    thread per rank: 4 ranks share the machine's cores, and gloo waits spin."""
     import time
 
+    import torch
+
+    torch.set_num_threads(1)
     root, out, seconds, start = Path(root), {}, {}, time.perf_counter()
     for name in LAYOUTS:
         out[name] = score_layout(name, tokenizer_dir, root)
@@ -264,7 +284,7 @@ def training_checks(tokenizer_dir, hook_dir, wandb_dir) -> dict:
         os.environ.update(WANDB_SILENT="true", WANDB_DISABLE_GIT="true")
         run = wandb.init(project="nano_eval_test", dir=wandb_dir, mode="offline")
     args = training_args()
-    config = EvalHookConfig(tasks="demo|arithmetic|0", max_samples=6, output_dir=hook_dir)
+    config = EvalHookConfig(tasks="demo|arithmetic|0,demo|arithmetic_gen|0", max_samples=6, output_dir=hook_dir)
     hook = make_non_loss_data_func(config, _tokenizer(tokenizer_dir), get_args=lambda: args,
                                    micro_batch_size=MICRO_BATCH)
     with_hook = train_like_megatron(hook, args, run)

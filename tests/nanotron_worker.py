@@ -104,7 +104,16 @@ def evaluate_layouts(rank, world, ckpt_dir: str, layouts: list, tasks: str, batc
         out[name] = summarize(backend, tasks, batch_tokens, max_samples)
         out[name]["mixed"] = mixed_batch_scores(backend)
         out[name]["logits_width"] = _logits_width(backend)
+        out[name]["generation"] = generation_checks(backend)
     return out
+
+
+def generation_checks(backend) -> dict:
+    """tests/generation_checks.py's decoder vs re-run comparison, tokens counted at nanotron's Embedding."""
+    from tests.generation_checks import cached_and_rerun
+
+    block = backend.forward_module.token_position_embeddings  # a PipelineBlock: its module on the input stage only
+    return cached_and_rerun(backend, getattr(block, "pp_block", None))
 
 
 def _logits_width(backend) -> int | None:
@@ -125,7 +134,9 @@ WORDS = "one two three four five six seven eight nine ten the cat sat on a mat".
 
 def mixed_batch_scores(backend) -> dict:
     """Requests whose rows have 3 to 40 tokens, scored in ONE padded batch per request type: per-request log-probs
-    and is-greedy flags, and greedy generations (prompts of different lengths, decoded together)."""
+    and is-greedy flags, and greedy generations (prompts of different lengths, decoded together). In eval mode,
+    as the Evaluator runs them (nanotron's KV cache refuses a model in training mode)."""
+    from nano_eval.backends.base import evaluation_mode
     from nano_eval.engine import BatchingConfig, Engine
     from nano_eval.tasks.requests import GreedyUntilRequest, LoglikelihoodRequest
 
@@ -133,10 +144,11 @@ def mixed_batch_scores(backend) -> dict:
     texts = [" ".join(WORDS[(3 * i) % 7:][: 2 + (7 * i) % 13] * (1 + i % 3)) for i in range(12)]
     ll = [LoglikelihoodRequest("mixed", i, 0, text, choice=" " + WORDS[i % len(WORDS)] + " " + WORDS[(i * 5) % 16])
           for i, text in enumerate(texts)]
-    scores = engine.run_loglikelihood(engine.prepare_loglikelihood(ll))
     gen = [GreedyUntilRequest("mixed_gen", i, 0, text, stop_sequence=[], generation_size=6)
            for i, text in enumerate(texts[:6])]
-    generations = engine.run_greedy(engine.prepare_greedy(gen))
+    with evaluation_mode(backend.module):
+        scores = engine.run_loglikelihood(engine.prepare_loglikelihood(ll))
+        generations = engine.run_greedy(engine.prepare_greedy(gen))
     return {"logprobs": [[scores[r.key].logprob] for r in ll], "is_greedy": [scores[r.key].is_greedy for r in ll],
             "generations": [generations[r.key].tokens for r in gen]}
 

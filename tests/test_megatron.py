@@ -92,6 +92,54 @@ def test_output_layer_computes_scored_positions_only(world, name):
     assert 0 < scored < full
 
 
+# ---- greedy generation from megatron-core's static KV cache ---------------------------------------------------
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_kv_cache_generations_equal_the_rerun_path(world, name):
+    """Every layout but the interleaved one decodes from the KV cache (nano_eval.backends.megatron_cache) and gets
+    the re-run path's tokens and texts: mixed prompt lengths, the cache growing twice, rows leaving the batch at
+    different steps; the decoder's hooks are gone afterwards. The interleaved pipeline keeps the re-run path."""
+    gens = [r[name]["generation"] for r in world["ranks"]]
+    assert all(r[name]["hooks_left_after_generation"] == 0 for r in world["ranks"])
+    if LAYOUTS[name][2]:  # several chunks per stage: documented fallback
+        assert not any(g["decoder"] for g in gens)
+        return
+    for g in gens:
+        assert g["decoder"]
+        assert g["cached"] == g["rerun"] and g["cached_stop"] == g["rerun_stop"]
+    assert len({len(tokens) for tokens, _, _ in gens[0]["cached_stop"].values()}) > 2  # rows finished apart
+
+
+@pytest.mark.parametrize("name", [n for n, (_, _, vp, _) in LAYOUTS.items() if not vp])
+def test_kv_cache_cost_grows_with_prompt_plus_answer(world, name):
+    """Tokens through the embedding (first stage, summed over DP): the decoder runs each prompt once and each
+    generated token once; the re-run path runs prompt + answer-so-far for every new token
+    (tests/generation_checks.py: check_cost)."""
+    from tests.generation_checks import check_cost
+
+    cached, rerun = check_cost([r[name]["generation"] for r in world["ranks"]])
+    print(f"{name}: {cached} tokens through the model with the KV cache, {rerun} re-running ({rerun / cached:.1f}x)")
+
+
+def test_generations_identical_across_layouts_and_transformers(world, toy_checkpoint):
+    """tp1 (dp4), tp2, pp2 and tp2 x pp2 with sequence parallelism decode the same tokens as transformers'
+    LlamaForCausalLM with the same weights (its own KV cache, nano_eval's transformers backend)."""
+    from transformers import AutoTokenizer
+
+    from nano_eval.backends.transformers import TransformersModel
+    from tests.megatron_gpt import transformers_llama
+    from tests.generation_checks import generate, stop_from
+
+    backend = TransformersModel(transformers_llama(), AutoTokenizer.from_pretrained(str(toy_checkpoint)))
+    reference = generate(backend, [])
+    reference_stop = generate(backend, stop_from(reference))
+    decoded = [name for name, (_, _, vp, _) in LAYOUTS.items() if not vp]
+    assert len(decoded) == 4
+    for name in decoded:
+        gen = world["ranks"][0][name]["generation"]
+        assert gen["cached"] == reference and gen["cached_stop"] == reference_stop, name
+
+
 def test_logprobs_match_megatrons_vocab_parallel_cross_entropy(world):
     """Engine log-probs (MegatronModel + nano_eval's vocab-parallel scoring) = -sum of Megatron's own loss (tp2)."""
     assert max(r["tp2"]["cross_entropy"] for r in world["ranks"]) < 1e-5
@@ -155,7 +203,8 @@ def test_example_legacy_save_scores_like_the_live_model(world, toy_checkpoint):
 
 def test_training_losses_are_bitwise_identical_with_the_hook(world):
     """pp2 x dp2, DDP + distributed optimizer, dropout 0.1: every rank's training and validation losses are the
-    same floats with and without the hook."""
+    same floats with and without the hook (which scores a log-likelihood task and a generative one, decoded from
+    the KV cache of the DDP-wrapped chunks)."""
     for rank in world["ranks"]:
         run = rank["training"]
         assert run["with"]["train"] == run["without"]["train"] and run["with"]["valid"] == run["without"]["valid"]

@@ -17,6 +17,7 @@ import pytest
 pytest.importorskip("nanotron")
 
 from tests.dist_utils import run_distributed  # noqa: E402
+from tests.generation_checks import check_cost, generate, stop_from  # noqa: E402
 from tests.nanotron_worker import VOCAB  # noqa: E402
 from tests.nanotron_worker import evaluate_layouts, mixed_batch_scores, summarize, write_config  # noqa: E402
 
@@ -60,6 +61,8 @@ def reference(checkpoint):
                                 AutoTokenizer.from_pretrained(tokenizer_path(str(checkpoint), None)))
     out = summarize(backend, TASKS, batch_tokens=100_000, max_samples=SAMPLES)
     out["mixed"] = mixed_batch_scores(backend)
+    out["generation"] = generate(backend, [])
+    out["generation_stop"] = generate(backend, stop_from(out["generation"]))
     return out
 
 
@@ -67,19 +70,21 @@ def _evaluate(world, checkpoint, layouts, make_from_config=None):
     per_rank = run_distributed(evaluate_layouts, world, str(checkpoint), layouts, TASKS, 256, SAMPLES, make_from_config,
                                timeout=600)
     widths = {name: {r[name].pop("logits_width") for r in per_rank} - {None} for name, *_ in layouts}
+    generations = {name: [r[name].pop("generation") for r in per_rank] for name, *_ in layouts}  # per-rank counts
     assert all(r == per_rank[0] for r in per_rank), "ranks disagree on the results"
     for name in widths:
         per_rank[0][name]["logits_widths"] = widths[name]
+        per_rank[0][name]["generation"] = generations[name]
     return per_rank[0]
 
 
 def assert_same_scores(got, ref, what):
-    assert set(got) - {"logits_widths"} == set(ref)
+    assert set(got) - {"logits_widths", "generation"} == set(ref) - {"generation", "generation_stop"}
     mixed, mixed_ref = got["mixed"], ref["mixed"]
     worst = max(abs(a[0] - b[0]) for a, b in zip(mixed["logprobs"], mixed_ref["logprobs"], strict=True))
     assert worst < 1e-5, f"{what}: log-probs of requests batched with others of other lengths differ by {worst:.2e}"
     assert mixed["is_greedy"] == mixed_ref["is_greedy"] and mixed["generations"] == mixed_ref["generations"], what
-    for key in (k for k in ref if k != "mixed"):
+    for key in (k for k in ref if k not in ("mixed", "generation", "generation_stop")):
         for name, value in ref[key]["metrics"].items():
             if name in EXACT:
                 assert got[key]["metrics"][name] == value, (what, key, name)
@@ -104,9 +109,34 @@ def test_layout_scores_equal_the_transformers_conversion(layouts, reference, lay
                          ids=["4-processes", "8-processes"])
 def test_more_layouts_score_equal_the_transformers_conversion(checkpoint, reference, world, layouts):
     got = _evaluate(world, checkpoint, layouts)
-    for name, tp, *_ in layouts:
+    for name, tp, _, tp_mode in layouts:
         assert_same_scores(got[name], reference, name)
         assert got[name]["logits_widths"] == {VOCAB // tp}
+        _assert_generations(got[name]["generation"], reference, name, tp_mode)
+
+
+@pytest.mark.parametrize("layout", [name for name, *_ in LAYOUTS])
+def test_kv_cache_generations_equal_the_rerun_path_and_transformers(layouts, reference, layout):
+    """tp1 x dp2 and pp2 decode from nanotron's own KV cache (nano_eval.backends.nanotron_cache): the same tokens
+    and texts as the re-run path and as transformers on the converted checkpoint (prompts of mixed lengths, rows
+    leaving the batch at different steps), with prompt + answer tokens through the model, not their product.
+    tp_mode REDUCE_SCATTER keeps the re-run path (documented fallback)."""
+    tp_mode = next(mode for name, *_, mode in LAYOUTS if name == layout)
+    _assert_generations(layouts[layout]["generation"], reference, layout, tp_mode)
+
+
+def _assert_generations(gens: list[dict], reference: dict, layout: str, tp_mode: str) -> None:
+    """gens: tests/generation_checks.py's cached_and_rerun of every rank in `layout`."""
+    if tp_mode == "REDUCE_SCATTER":
+        assert not any(g["decoder"] for g in gens)
+        return
+    for g in gens:
+        assert g["decoder"]
+        assert g["cached"] == g["rerun"] == reference["generation"], layout
+        assert g["cached_stop"] == g["rerun_stop"] == reference["generation_stop"], layout
+    assert len({len(tokens) for tokens, _, _ in gens[0]["cached_stop"].values()}) > 2  # rows finished apart
+    cached, rerun = check_cost(gens)
+    print(f"{layout}: {cached} tokens through the model with the KV cache, {rerun} re-running ({rerun / cached:.1f}x)")
 
 
 def test_the_model_is_opinionated(reference):

@@ -63,16 +63,30 @@ class MegatronModel:
     def forward(self, batch: Batch) -> torch.Tensor | None:
         """Logits [N, V/tp] at (batch.rows, batch.cols) on the last stage; None on the other stages."""
         input_ids = self._padded(batch.input_ids.to(self.device))
-        rows, cols = batch.rows.to(self.device), batch.cols.to(self.device)
+        return self.run(self._inputs(input_ids), batch.rows.to(self.device), batch.cols.to(self.device))
+
+    def incremental_decoder(self):
+        """Greedy generation from megatron-core's static KV cache (nano_eval.backends.megatron_cache), or None
+        (generation re-runs the prompt for every token) where the model cannot decode that way exactly."""
+        from nano_eval.backends.megatron_cache import StaticCacheDecoder, unsupported_reason
+
+        return None if unsupported_reason(self) else StaticCacheDecoder(self)
+
+    @torch.no_grad()
+    def run(self, inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor], rows: torch.Tensor, cols: torch.Tensor,
+            context=None) -> torch.Tensor | None:
+        """One forward of (input_ids [B, S], position_ids [B, S], attention_mask [1 or B, 1, S, S_k] bool, True =
+        masked) through every stage: logits [N, V/tp] at (rows, cols) on the last stage, None elsewhere.
+        context: a megatron-core inference context holding the KV cache (then the whole batch is one microbatch)."""
         with self._output_layer_on_scored_positions():
             if self.layout.pp_size == 1 and len(self.chunks) == 1:
-                return self._scored(self.chunks[0], input_ids, rows, cols)
-            return self._forward_pipelined(input_ids, rows, cols)
+                return self._scored(self.chunks[0], inputs, rows, cols, context)
+            return self._forward_pipelined(inputs, rows, cols, context)
 
-    def _scored(self, chunk, input_ids, rows, cols) -> torch.Tensor:
+    def _scored(self, chunk, inputs, rows, cols, context=None) -> torch.Tensor:
         """One forward of the last (or only) stage: logits [N, V/tp] at (rows, cols)."""
         self._picks = (rows, cols)
-        output = chunk(*self._inputs(input_ids))
+        output = _call(chunk, inputs, context)
         if self._hooked:  # [1, N, V/tp]: the output layer already saw the scored positions only
             return output[0]
         return output[rows, cols]  # [B, S, V/tp] -> [N, V/tp]
@@ -103,6 +117,8 @@ class MegatronModel:
 
             hidden = gather_from_sequence_parallel_region(hidden, group=self.layout.tp_group)
             layer.sequence_parallel, layer._nano_eval_sequence_parallel = False, True  # until this call returns
+        if "runtime_gather_output" in kwargs:  # megatron's inference path asks for a full-vocab gather: keep V/tp
+            kwargs = {**kwargs, "runtime_gather_output": False}
         return (hidden[cols, rows].unsqueeze(1), *args[1:]), kwargs
 
     def _padded(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -116,8 +132,8 @@ class MegatronModel:
 
     @staticmethod
     def _inputs(input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """GPTModel's (input_ids, position_ids, attention_mask): positions 0.. per row, causal mask True above
-        the diagonal (masked), as Megatron's get_ltor_masks_and_position_ids builds them."""
+        """GPTModel's (input_ids, position_ids, attention_mask): positions 0.. per row, causal mask [1, 1, S, S] True
+        above the diagonal (masked), as Megatron's get_ltor_masks_and_position_ids builds them."""
         b, s = input_ids.shape
         position_ids = torch.arange(s, device=input_ids.device).expand(b, s)
         mask = torch.ones(s, s, dtype=torch.bool, device=input_ids.device).triu(1)[None, None]
@@ -125,21 +141,29 @@ class MegatronModel:
 
     # ---- pipeline parallel: Megatron's schedule ------------------------------------------------------------------
 
-    def _forward_pipelined(self, input_ids, rows, cols) -> torch.Tensor | None:
-        """Run the batch through Megatron's schedule in microbatches of `micro_batch_size` rows."""
+    def _forward_pipelined(self, inputs, rows, cols, context=None) -> torch.Tensor | None:
+        """Run the batch through Megatron's schedule in microbatches of `micro_batch_size` rows (with a KV-cache
+        context: one microbatch, so the cache's rows are the batch's rows)."""
+        input_ids, position_ids, mask = inputs
         b, s = input_ids.shape
-        mbs = min(self.micro_batch_size or b, b)
+        mbs = b if context is not None else min(self.micro_batch_size or b, b)
         n_micro = math.ceil(b / mbs)
         if len(self.chunks) > 1:  # the interleaved schedule wants a multiple of pp microbatches
             n_micro = math.ceil(n_micro / self.layout.pp_size) * self.layout.pp_size
-        input_ids = F.pad(input_ids, (0, 0, 0, n_micro * mbs - b), value=self.tokenizer.pad_token_id or 0)
+        extra = n_micro * mbs - b
+        input_ids = F.pad(input_ids, (0, 0, 0, extra), value=self.tokenizer.pad_token_id or 0)
+        position_ids = F.pad(position_ids, (0, 0, 0, extra))
+        if mask.shape[0] > 1:
+            mask = F.pad(mask, (0, 0, 0, 0, 0, 0, 0, extra), value=True)
         picks = [torch.nonzero(rows // mbs == m).squeeze(-1) for m in range(n_micro)]
-        micro = [(input_ids[m * mbs:(m + 1) * mbs], rows[p] - m * mbs, cols[p]) for m, p in enumerate(picks)]
+        micro = [((input_ids[m * mbs:(m + 1) * mbs], position_ids[m * mbs:(m + 1) * mbs],
+                   mask if mask.shape[0] == 1 else mask[m * mbs:(m + 1) * mbs]), rows[p] - m * mbs, cols[p])
+                 for m, p in enumerate(picks)]
 
         def forward_step(data_iterator, model):
-            ids, r, c = next(data_iterator)
+            micro_inputs, r, c = next(data_iterator)
             self._picks = (r, c)  # read by the output-layer hook, within this call
-            output = model(*self._inputs(ids))  # logits on the last stage's last chunk, hidden states elsewhere
+            output = _call(model, micro_inputs, context)  # logits on the last stage's last chunk, else hidden states
 
             def scored_logits(output_tensor, non_loss_data=False):
                 return output_tensor[0] if self._hooked else output_tensor[r, c]  # [n, V/tp]
@@ -155,6 +179,14 @@ class MegatronModel:
         for p, logits in zip(picks, collected, strict=True):
             out[p] = logits
         return out
+
+
+def _call(chunk, inputs, context):
+    """chunk(input_ids, position_ids, attention_mask) [+ the KV-cache context; megatron's inference path asserts
+    a full-vocab gather is asked for, which the output-layer hook turns back into vocab-parallel logits]."""
+    if context is None:
+        return chunk(*inputs)
+    return chunk(*inputs, inference_context=context, runtime_gather_output=True)
 
 
 def _restore_sequence_parallel(layer, *unused) -> None:

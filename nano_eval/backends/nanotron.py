@@ -63,6 +63,13 @@ class NanotronModel:
         self.seq_multiple = parallel_context.tp_pg.size() if sequence_parallel else 1
         self.layout = layout_from_parallel_context(parallel_context, first, last, "cuda" if self.device.type == "cuda" else "cpu")
 
+    def incremental_decoder(self):
+        """Greedy generation from nanotron's own KV cache (nano_eval.backends.nanotron_cache), or None (generation
+        re-runs the prompt for every token) under tp_mode REDUCE_SCATTER or for a model other than its Llama."""
+        from nano_eval.backends.nanotron_cache import StoreDecoder, unsupported_reason
+
+        return None if unsupported_reason(self) else StoreDecoder(self)
+
     @torch.no_grad()
     def forward(self, batch: Batch) -> torch.Tensor | None:
         """Logits [N, V/tp] at (batch.rows, batch.cols) on the last stage; None on the other stages."""

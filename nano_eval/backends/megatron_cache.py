@@ -1,0 +1,172 @@
+"""Greedy decoding from megatron-core's own KV cache, in the model's TP x PP layout (see nano_eval.generate).
+
+`StaticCacheDecoder` keeps a megatron-core `StaticInferenceContext` per batch of prompts: GPTModel's attention
+layers write their keys and values into it (`[capacity, b, groups/tp, head_dim]` per layer, on the ranks that
+hold the layer) and read every earlier column back, so each prompt runs through the model once and then one token
+per row per step. Between pipeline stages the hidden states travel through Megatron's schedule, as in the
+backend's scoring forward (the whole batch is one microbatch); the vocab-sharded logits `[b, V/tp]` of each row's
+newest token come out of the last stage.
+
+Megatron's static cache gives every row the same column for its newest token, so prompts are left-padded, and
+what makes each row see exactly what it would see alone is ours:
+- an explicit mask `[b, 1, new, columns]` (True = masked): causal, and a row's padding columns masked;
+- per-row positions: the RoPE table becomes `[capacity, b, 1, dim]`, column c of row r at position c - pad_r
+  (learned absolute positions get the same numbers as `position_ids`);
+- rows that finish are dropped from the cache (they stop costing compute); the capacity doubles when needed.
+While decoding, sequence parallelism and fused RoPE are switched off and restored after every call (same maths;
+megatron-core's static inference supports neither), and the output layer keeps vocab-parallel logits.
+
+Exact where the core attention is megatron-core's local `DotProductAttention` (it applies the mask we pass).
+Other models keep the re-run path (`unsupported_reason` says why): Transformer Engine / flash attention cores
+(in megatron's static-inference path they apply a causal or no mask, ignoring the padding mask), flash decoding
+or CUDA graphs, an interleaved pipeline (several chunks per stage), multi-latent attention, multi-token
+prediction, position embeddings other than rope / learned absolute / none, `pad_to_length`.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack, contextmanager
+
+import torch
+
+from nano_eval.compat.megatron import unwrap
+
+_POSITIONS = ("rope", "learned_absolute", "none")
+_SEQUENCE_PARALLEL_ATTRS = ("sequence_parallel", "scatter_to_sequence_parallel", "reduce_scatter_embeddings")
+
+
+def unsupported_reason(backend) -> str | None:
+    """Why `backend` (a MegatronModel) cannot decode from the static KV cache exactly; None when it can."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    if len(backend.chunks) > 1:
+        return "an interleaved pipeline (several model chunks per stage)"
+    if backend.pad_to_length:
+        return "pad_to_length (static shapes)"
+    model = unwrap(backend.chunks[0])
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(model, "decoder"):
+        return "not a megatron-core GPTModel"
+    if getattr(model, "position_embedding_type", None) not in _POSITIONS:
+        return f"position embedding {getattr(model, 'position_embedding_type', None)!r}"
+    for flag in ("flash_decode", "multi_latent_attention", "mtp_num_layers"):
+        if getattr(config, flag, None):
+            return f"config.{flag}"
+    if getattr(config, "cuda_graph_impl", "none") != "none":
+        return "CUDA graphs"
+    if getattr(model, "post_process", False) and getattr(model, "output_layer", None) is None:
+        return "no output_layer"
+    for layer in model.decoder.layers:
+        core = getattr(getattr(layer, "self_attention", None), "core_attention", None)
+        if not isinstance(core, DotProductAttention):
+            return f"core attention {type(core).__name__} (the padding mask needs megatron's DotProductAttention)"
+    return None
+
+
+class StaticCacheDecoder:
+    """Decoding state of one batch of prompts (the IncrementalDecoder protocol of nano_eval.generate).
+
+    Every rank of the model replica calls prefill / extend with the same arguments; logits come back on the last
+    pipeline stage only (None elsewhere). Each rank's cache holds its own layers' keys and values for its TP shard
+    of the query groups.
+    """
+
+    headroom = 64  # cache columns allocated past the longest prompt; the capacity doubles when they run out
+
+    def __init__(self, backend):
+        self.backend = backend
+        self.model = unwrap(backend.chunks[0])
+        self.context = None  # megatron-core StaticInferenceContext of the current batch
+        self.pads: torch.Tensor | None = None  # [b] int64: left-padding columns of each row
+
+    def prefill(self, prompts: list[list[int]], pad_id: int) -> torch.Tensor | None:
+        """Logits [B, V/tp] at each prompt's last token (last stage); fills the cache with the prompts."""
+        from megatron.core.inference.contexts import StaticInferenceContext
+
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), pad_id, dtype=torch.int64)
+        for r, prompt in enumerate(prompts):
+            ids[r, width - len(prompt):] = torch.tensor(prompt, dtype=torch.int64)
+        self.pads = torch.tensor([width - len(p) for p in prompts], dtype=torch.int64, device=self.backend.device)
+        self.context = StaticInferenceContext(max_batch_size=len(prompts), max_sequence_length=width + self.headroom)
+        return self._forward(ids)
+
+    def extend(self, keep: list[int], next_ids: list[int]) -> torch.Tensor | None:
+        """Keep rows `keep` (indices into the current rows, in order), append next_ids[k] to row keep[k];
+        logits [len(keep), V/tp] at the appended tokens (last stage)."""
+        if len(keep) < self.pads.numel():
+            index = torch.tensor(keep, dtype=torch.int64, device=self.backend.device)
+            memory = self.context.key_value_memory_dict
+            for layer, (keys, values) in memory.items():  # [capacity, b, groups/tp, head_dim]
+                memory[layer] = (keys.index_select(1, index.to(keys.device)),
+                                 values.index_select(1, index.to(values.device)))
+            self.context.max_batch_size, self.pads = len(keep), self.pads[index]
+        return self._forward(torch.tensor(next_ids, dtype=torch.int64)[:, None])
+
+    def _forward(self, new_ids: torch.Tensor) -> torch.Tensor | None:
+        """new_ids [b, n] into cache columns [start, start + n) of every row; logits [b, V/tp] at the last one."""
+        device, context = self.backend.device, self.context
+        start = context.sequence_len_offset
+        end = start + new_ids.shape[1]
+        self._reserve(end)
+        columns = torch.arange(start, end, device=device)
+        positions = (columns[None, :] - self.pads[:, None]).clamp(min=0)  # [b, n]
+        keys = torch.arange(end, device=device)
+        masked = (keys[None, None, :] > columns[None, :, None]) | (keys[None, None, :] < self.pads[:, None, None])
+        rows = torch.arange(new_ids.shape[0], device=device)
+        # the static context hands the output layer the last column only ([1, b, H]): pick (row r, column 0)
+        with self._decoding():
+            logits = self.backend.run((new_ids.to(device), positions, masked[:, None]), rows, torch.zeros_like(rows),
+                                      context)
+        context.sequence_len_offset = end
+        return logits
+
+    def _reserve(self, columns: int) -> None:
+        """Grow every layer's cache to hold `columns` columns (capacity doubles; megatron allocates on first use)."""
+        context = self.context
+        if columns <= context.max_sequence_length:
+            return
+        capacity = max(columns, 2 * context.max_sequence_length)
+        memory = context.key_value_memory_dict
+        for layer, tensors in memory.items():
+            grown = []
+            for old in tensors:
+                new = old.new_empty((capacity, *old.shape[1:]))
+                new[:old.shape[0]] = old
+                grown.append(new)
+            memory[layer] = tuple(grown)
+        context.max_sequence_length = capacity
+
+    @contextmanager
+    def _decoding(self):
+        """While inside: per-row RoPE positions, and sequence parallelism / fused RoPE off (restored after)."""
+        with ExitStack() as stack:
+            rotary = getattr(self.model, "rotary_pos_emb", None)
+            if self.model.position_embedding_type == "rope" and rotary is not None:
+                stack.callback(rotary.register_forward_hook(self._per_row_rotary).remove)
+            stack.enter_context(_plain_attributes(self.model))
+            yield
+
+    def _per_row_rotary(self, module, args, emb: torch.Tensor) -> torch.Tensor:
+        """RoPE table [capacity, 1, 1, dim] -> [capacity, b, 1, dim]: column c of row r at position c - pad_r."""
+        columns = torch.arange(emb.shape[0], device=emb.device)
+        return emb[:, 0][(columns[:, None] - self.pads.to(emb.device)[None, :]).clamp(min=0)]
+
+
+@contextmanager
+def _plain_attributes(model):
+    """Sequence parallelism and fused RoPE off on every module and config of `model` that has them on; restored on
+    exit. The same attributes megatron-core's set_model_to_sequence_parallel flips (not used: it caches modules by
+    id(model), which a later model can reuse)."""
+    flipped = [(m, attr) for m in model.modules() for attr in _SEQUENCE_PARALLEL_ATTRS
+               if getattr(m, attr, None) is True]
+    configs = {id(c): c for c in (getattr(m, "config", None) for m in model.modules()) if c is not None}
+    flipped += [(c, attr) for c in configs.values() for attr in ("sequence_parallel", "apply_rope_fusion")
+                if getattr(c, attr, None) is True]
+    try:
+        for obj, attr in flipped:
+            setattr(obj, attr, False)
+        yield
+    finally:
+        for obj, attr in flipped:
+            setattr(obj, attr, True)

@@ -1,0 +1,94 @@
+"""Greedy decoding from nanotron 0.4's own KV cache, in the model's TP x PP layout (see nano_eval.generate).
+
+nanotron 0.4's Llama has an inference path: with a `Store` attached (nanotron.generation.generate_store), each
+`CausalSelfAttention` keeps its keys and values `[b, max_position_embeddings, kv_heads/tp, head_dim]` and each
+row's position offset; the prefill runs `flash_attn_varlen_func` on the unpadded prompts (pads must be on the
+left) and moves them into the cache; every later step appends one token per row with `flash_attn_with_kvcache`
+at that row's own length. So each row sees exactly its own tokens at its own positions. `StoreDecoder` drives it
+the way the backend's scoring forward drives the model (inputs on the first stage, TensorPointers elsewhere, the
+model's P2P between stages), keeps the logits of the last column `[b, V/tp]` on the last stage, and drops
+finished rows from every stored tensor (batch is their first dimension).
+
+Costs: nanotron sizes each layer's cache to max_position_embeddings columns per row (its design; a generation
+batch holds about max_batch_tokens / (prompt + max_new_tokens) rows), and its prefill projects every prompt
+position through lm_head, as the scoring forward does. The inference path rotates q/k with nanotron's complex-
+valued RotaryEmbedding instead of the training path's flash-attn rotary kernel: the same interleaved rotation,
+equal up to float rounding. Not used (the prompt is re-run per token, `unsupported_reason` says why) for
+`tp_mode: REDUCE_SCATTER` (one token per step cannot be split along the sequence over TP ranks) or a model other
+than nanotron's LlamaModel.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def unsupported_reason(backend) -> str | None:
+    """Why `backend` (a NanotronModel) cannot decode from nanotron's KV cache; None when it can. Depends only on
+    the model's class and config, so every rank gets the same answer."""
+    from nanotron.models.llama import LlamaModel
+
+    if not isinstance(backend.forward_module, LlamaModel):
+        return f"{type(backend.forward_module).__name__} is not nanotron 0.4's LlamaModel"
+    if backend.seq_multiple > 1:
+        return "tp_mode REDUCE_SCATTER"
+    return None
+
+
+class StoreDecoder:
+    """Decoding state of one batch of prompts (the IncrementalDecoder protocol of nano_eval.generate).
+
+    Every rank of the model replica calls prefill / extend with the same arguments; logits [b, V/tp] come back on
+    the last pipeline stage only (None elsewhere). Each rank's store holds its own layers' caches.
+    """
+
+    def __init__(self, backend):
+        from nanotron.generation.generate_store import Store
+        from nanotron.models.llama import RotaryEmbedding
+
+        self.backend, self.store, self.rows = backend, Store(), 0
+        for module in backend.forward_module.modules():  # built here, before the first call, to skip nanotron's
+            if isinstance(module, RotaryEmbedding):        # "Initializing rotary embeddings" print in every layer
+                module.init_rotary_embeddings()
+
+    @torch.no_grad()
+    def prefill(self, prompts: list[list[int]], pad_id: int) -> torch.Tensor | None:
+        """Logits [B, V/tp] at each prompt's last token (last stage); fills the caches with the prompts."""
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), pad_id, dtype=torch.int64)
+        mask = torch.zeros((len(prompts), width), dtype=torch.bool)
+        for r, prompt in enumerate(prompts):  # left padding: nanotron's prefill requires pads before the tokens
+            ids[r, width - len(prompt):] = torch.tensor(prompt, dtype=torch.int64)
+            mask[r, width - len(prompt):] = True
+        self.rows = len(prompts)
+        return self._forward(ids, mask)
+
+    @torch.no_grad()
+    def extend(self, keep: list[int], next_ids: list[int]) -> torch.Tensor | None:
+        """Keep rows `keep` (indices into the current rows, in order), append next_ids[k] to row keep[k];
+        logits [len(keep), V/tp] at the appended tokens (last stage)."""
+        if len(keep) < self.rows:
+            index = torch.tensor(keep, dtype=torch.int64, device=self.backend.device)
+            for state in self.store.values():  # per module: key/value caches, position offsets, past lengths
+                for name, value in state.items():
+                    if isinstance(value, torch.Tensor):
+                        state[name] = value.index_select(0, index.to(value.device))
+            self.rows = len(keep)
+        ids = torch.tensor(next_ids, dtype=torch.int64)[:, None]
+        return self._forward(ids, torch.ones_like(ids, dtype=torch.bool))
+
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
+        """ids / mask [b, n] through every stage with the store attached; logits [b, V/tp] of the last column."""
+        from nanotron.generation.generate_store import attach_store
+        from nanotron.parallel.pipeline_parallel.tensor_pointer import TensorPointer
+
+        backend, layout = self.backend, self.backend.layout
+        if layout.pp_rank == layout.input_pp_rank:
+            ids, mask = ids.to(backend.device), mask.to(backend.device)
+        else:
+            ids = mask = TensorPointer(group_rank=layout.input_pp_rank)
+        with attach_store(backend.forward_module, self.store):
+            logits = backend.forward_module(input_ids=ids, input_mask=mask)  # [n, b, V/tp] on the last stage
+        if not layout.is_output_stage or isinstance(logits, TensorPointer):
+            return None
+        return logits[-1]

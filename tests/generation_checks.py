@@ -1,0 +1,83 @@
+"""Greedy generation through a backend's KV-cache decoder and through the re-run path, on the same model, for the
+multi-process backend tests (tests/megatron_worker.py, tests/nanotron_worker.py): generations and the number of
+tokens each path puts through the model's embedding."""
+
+from __future__ import annotations
+
+GEN_TOKENS = 24
+GEN_PROMPTS = [f"Question: {i} plus {3 * i}\nAnswer:" + " so" * (i % 5) for i in range(6)]  # mixed lengths
+
+
+class Rerunning:
+    """A backend without `incremental_decoder`: generation re-runs the prompt for every new token."""
+
+    def __init__(self, backend):
+        self.forward, self.layout, self.module = backend.forward, backend.layout, backend.module
+        self.tokenizer, self.max_length = backend.tokenizer, backend.max_length
+
+
+def generate(backend, stop: list[str]) -> dict:
+    """{request key: (generated tokens, text, prompt length)} for GEN_PROMPTS, GEN_TOKENS new tokens at most."""
+    from nano_eval.engine import BatchingConfig, Engine
+    from nano_eval.tasks.requests import GreedyUntilRequest
+
+    requests = [GreedyUntilRequest("t", i, 0, p, stop_sequence=stop, generation_size=GEN_TOKENS)
+                for i, p in enumerate(GEN_PROMPTS)]
+    engine = Engine(backend, BatchingConfig(max_batch_tokens=400), progress=False)
+    results = engine.run_greedy(engine.prepare_greedy(requests))
+    return {k: (r.tokens, r.text, len(r.input_tokens)) for k, r in sorted(results.items())}
+
+
+def stop_from(generations: dict) -> list[str]:
+    """A stop sequence that rows of this model hit at different steps: the 6th character of the first text."""
+    return [next(iter(generations.values()))[1][5]]
+
+
+def cached_and_rerun(backend, embedding) -> dict:
+    """Generations of the backend's decoder and of the re-run path, under evaluation_mode: a run without stop
+    sequences and one with `stop_from` (rows leave the batch at different steps); tokens through `embedding`
+    (the input stage's embedding module, None on other stages) per path in the first run. Only where the
+    backend has a decoder (else both paths would re-run the prompt)."""
+    import time
+
+    from nano_eval.backends.base import evaluation_mode
+
+    embedded = []
+
+    def count(module, args, kwargs, output):
+        embedded.append((args[0] if args else kwargs["input_ids"]).numel())
+
+    def counted(model_backend, stop):
+        embedded.clear()
+        return generate(model_backend, stop), sum(embedded)
+
+    handle = embedding.register_forward_hook(count, with_kwargs=True) if embedding is not None else None
+    out = {"decoder": backend.incremental_decoder() is not None, "tp_rank": backend.layout.tp_rank,
+           "first_stage": handle is not None}
+    start = time.perf_counter()
+    try:
+        with evaluation_mode(backend.module):
+            if out["decoder"]:
+                out["cached"], out["cached_tokens"] = counted(backend, [])
+                out["rerun"], out["rerun_tokens"] = counted(Rerunning(backend), [])
+                stop = stop_from(out["cached"])
+                out["cached_stop"], out["rerun_stop"] = generate(backend, stop), generate(Rerunning(backend), stop)
+    finally:
+        if handle is not None:
+            handle.remove()
+    out["seconds"] = time.perf_counter() - start
+    return out
+
+
+def check_cost(gens: list[dict]) -> tuple[int, int]:
+    """Assert the decoder's token count grows with prompt + answer and the re-run path's with their product;
+    `gens`: cached_and_rerun of every rank. Returns (decoder tokens, re-run tokens) summed over DP."""
+    gens = [g for g in gens if g["first_stage"] and g["tp_rank"] == 0]  # TP ranks embed the same tokens
+    cached, rerun = sum(g["cached_tokens"] for g in gens), sum(g["rerun_tokens"] for g in gens)
+    requests = gens[0]["cached"].values()  # (tokens, text, prompt length), gathered over DP
+    longest, dp = max(n for _, _, n in requests), len(gens)
+    padded = -(-len(requests) // dp) * dp  # the DP sampler repeats requests to give every rank as many
+    assert cached <= padded * (longest + GEN_TOKENS)  # each prompt once (left-padded), then one token per step
+    assert rerun >= sum(n + t for tokens, _, n in requests for t in range(len(tokens)))  # prompt + answer so far
+    assert rerun > 5 * cached
+    return cached, rerun
