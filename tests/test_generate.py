@@ -103,7 +103,7 @@ def test_shared_prefix_decoder_matches_unshared_logits(toy_backend):
     from nano_eval.backends.transformers import CachedDecoder
 
     prompts = [r.tokenized_context or toy_backend.tokenizer(r.context)["input_ids"] for r in _few_shot_requests(5, 1)]
-    shared, plain = CachedDecoder(toy_backend), CachedDecoder(toy_backend, shared_prefix_tokens=0)
+    shared, plain = CachedDecoder(toy_backend, shared_prefix_tokens=32), CachedDecoder(toy_backend)
     a, b = shared.prefill(prompts, 0), plain.prefill(prompts, 0)
     assert shared.shared >= 32 and plain.shared == 0
     torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)

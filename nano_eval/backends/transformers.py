@@ -51,9 +51,12 @@ class TransformersModel:
         scored = hidden.flatten(0, 1)[flat]
         return self.model.get_output_embeddings()(scored)[inverse]
 
-    def incremental_decoder(self) -> "CachedDecoder":
-        """Greedy generation from a KV cache: each batch's prompts run once, then one token per row per step."""
-        return CachedDecoder(self)
+    shares_prompt_prefix = True  # incremental_decoder(shared_prefix_tokens=n) prefills a common prefix once
+
+    def incremental_decoder(self, shared_prefix_tokens: int = 0) -> "CachedDecoder":
+        """Greedy generation from a KV cache: each batch's prompts run once, then one token per row per step;
+        prompts starting with the same `shared_prefix_tokens` or more tokens run that prefix once (0: never)."""
+        return CachedDecoder(self, shared_prefix_tokens)
 
     def _tree_mask(self, batch: Batch) -> torch.Tensor:
         """4D mask from the batch's segment/branch ids: bool for sdpa (True = attend), additive for eager."""
@@ -74,13 +77,13 @@ class CachedDecoder:
     row's real tokens only (as transformers' `generate` does): each row sees what it would see alone. Rows that
     finish are dropped from the cache, so they stop costing compute. One process holds the whole model (tp = pp = 1).
 
-    Prompts that start with the same `shared_prefix_tokens` or more tokens (fixed few-shot examples) share them:
+    Prompts that start with the same `shared_prefix_tokens` (> 0) or more tokens (fixed few-shot examples) share them:
     the common prefix runs once as a batch of one, its cache is copied to every row, and only each prompt's own
     suffix is prefilled. Columns are then [prefix | left padding | suffix]: the padding sits between the two and is
     masked out, and positions still count real tokens only, so each row again sees exactly its own prompt.
     """
 
-    def __init__(self, backend: TransformersModel, shared_prefix_tokens: int = 32):
+    def __init__(self, backend: TransformersModel, shared_prefix_tokens: int = 0):
         self.backend = backend
         self.shared_prefix_tokens = shared_prefix_tokens  # 0: never share
         self.cache = None
