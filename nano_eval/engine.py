@@ -151,7 +151,11 @@ class Engine:
             truncated = max(0, len(tokens) - room)
             generation = Generation(max_new, tuple(r.stop_sequence or ()))
             rows.append(last_position_row(r.key, tokens[truncated:], truncated, generation))
-        return GenerativeTaskDataset(rows)
+        return GenerativeTaskDataset(rows, self._generation_prefix_tokens())
+
+    def _generation_prefix_tokens(self) -> int:
+        """Shared-prefix threshold for generation batches: the config's, on backends whose decoder shares prefixes."""
+        return self.batching.shared_prefix_tokens if getattr(self.backend, "shares_prompt_prefix", False) else 0
 
     # ---- running -----------------------------------------------------------------------------------------------
 
@@ -191,7 +195,8 @@ class Engine:
         """{key: GenerationResult}: greedy continuation up to a stop sequence, any EOS id or max_new_tokens."""
         local: dict = {}
         for rows in self._my_batches(dataset, desc):
-            local.update(greedy_decode(self.backend, rows, self.pad_id, self.tokens.eos_ids, self._vocab_shard))
+            local.update(greedy_decode(self.backend, rows, self.pad_id, self.tokens.eos_ids, self._vocab_shard,
+                                       shared_prefix_tokens=self._generation_prefix_tokens()))
         return gather_dicts_over_dp(broadcast_from_output_stage(local, self.layout), self.layout)
 
 

@@ -42,11 +42,14 @@ class IncrementalDecoder(Protocol):
 
 
 def greedy_decode(backend: Backend, rows: Sequence[Row], pad_id: int, eos_ids: Collection[int],
-                  vocab_shard: Callable[[torch.Tensor], VocabShard]) -> dict:
+                  vocab_shard: Callable[[torch.Tensor], VocabShard], shared_prefix_tokens: int = 0) -> dict:
     """{request key: GenerationResult} for generation rows that share one `Generation` (max_new_tokens, stop).
 
     A row stops at a stop sequence, at any id in `eos_ids` (not kept), or after max_new_tokens. The text is the
     decoded tokens without special tokens, cut at the first stop sequence (as lm-evaluation-harness).
+
+    On a backend with `shares_prompt_prefix`, prompts that start with the same `shared_prefix_tokens` (> 0) or
+    more tokens have that prefix prefilled once (`incremental_decoder(shared_prefix_tokens=...)`).
 
     Every rank of the model replica calls it with the same rows; every rank returns the same results.
     """
@@ -55,7 +58,11 @@ def greedy_decode(backend: Backend, rows: Sequence[Row], pad_id: int, eos_ids: C
     max_new, stops = rows[0].generation.max_new_tokens, rows[0].generation.stop
     generated: list[list[int]] = [[] for _ in rows]
     active = list(range(len(rows)))  # rows still generating, in the decoder's row order
-    decoder = backend.incremental_decoder() if hasattr(backend, "incremental_decoder") else None
+    decoder = None
+    if getattr(backend, "shares_prompt_prefix", False) and shared_prefix_tokens:
+        decoder = backend.incremental_decoder(shared_prefix_tokens=shared_prefix_tokens)
+    elif hasattr(backend, "incremental_decoder"):
+        decoder = backend.incremental_decoder()
     logits = decoder.prefill([p.context for p in prompts], pad_id) if decoder is not None else None
     for step in range(max_new):
         if decoder is None:

@@ -67,3 +67,45 @@ def test_cost_grows_with_prompt_plus_answer_not_their_product(toy_backend):
     prompt = max(len(r.tokenized_context) for r in long)
     assert cached_tokens <= len(long) * (prompt + 100)  # prefill + one token per row per step
     assert plain_tokens >= 100 * len(long) * prompt  # the prompt again for every new token
+
+
+def _few_shot_requests(n: int, generation_size: int, stop=()):
+    """Fixed few-shot examples (a long common prefix) before each question, as a k-shot generative task builds."""
+    shots = "".join(f"Question: {a} plus {b}\nAnswer: {a + b}\n\n" for a, b in [(1, 2), (3, 4), (5, 1), (2, 2)])
+    return [GreedyUntilRequest("t", i, 0, shots + f"Question: {i % 10} plus {(3 * i) % 10}\nAnswer:" + " so" * (i % 5),
+                               stop_sequence=list(stop), generation_size=generation_size) for i in range(n)]
+
+
+def test_shared_few_shot_prefix_gives_the_unshared_generations(toy_backend):
+    """Prompts with a common prefix run it once (batch of one, cache copied to every row), then only their own
+    suffixes: the same tokens as re-running each whole prompt, and far fewer tokens through the model."""
+    requests = _few_shot_requests(10, 24, ("\n\n",))
+    embedded = []
+    hook = toy_backend.model.get_input_embeddings().register_forward_hook(lambda m, args, out: embedded.append(args[0].numel()))
+    try:
+        shared = _generate(toy_backend, requests, max_batch_tokens=10_000)
+        shared_tokens, embedded[:] = sum(embedded), []
+        plain = _generate(Recomputing(toy_backend), requests, max_batch_tokens=10_000)
+    finally:
+        hook.remove()
+    assert {k: (r.tokens, r.text) for k, r in shared.items()} == {k: (r.tokens, r.text) for k, r in plain.items()}
+    prompts = [r.tokenized_context for r in requests]
+    common = next(i for i in range(len(prompts[0])) if len({tuple(p[: i + 1]) for p in prompts}) > 1)
+    assert common >= 32
+    longest_suffix = max(len(p) for p in prompts) - common
+    assert shared_tokens <= common + len(prompts) * (longest_suffix + 24)  # the prefix once, not once per prompt
+
+
+def test_shared_prefix_decoder_matches_unshared_logits(toy_backend):
+    """The decoder's logits with and without prefix sharing, at prefill and after some steps: equal to fp32 noise."""
+    import torch
+
+    from nano_eval.backends.transformers import CachedDecoder
+
+    prompts = [r.tokenized_context or toy_backend.tokenizer(r.context)["input_ids"] for r in _few_shot_requests(5, 1)]
+    shared, plain = CachedDecoder(toy_backend, shared_prefix_tokens=32), CachedDecoder(toy_backend)
+    a, b = shared.prefill(prompts, 0), plain.prefill(prompts, 0)
+    assert shared.shared >= 32 and plain.shared == 0
+    torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    for keep, ids in [([0, 1, 2, 3, 4], [5, 6, 7, 8, 9]), ([0, 2, 4], [3, 3, 3]), ([1, 2], [7, 8])]:
+        torch.testing.assert_close(shared.extend(keep, ids), plain.extend(keep, ids), atol=1e-4, rtol=1e-4)

@@ -51,9 +51,12 @@ class TransformersModel:
         scored = hidden.flatten(0, 1)[flat]
         return self.model.get_output_embeddings()(scored)[inverse]
 
-    def incremental_decoder(self) -> "CachedDecoder":
-        """Greedy generation from a KV cache: each batch's prompts run once, then one token per row per step."""
-        return CachedDecoder(self)
+    shares_prompt_prefix = True  # incremental_decoder(shared_prefix_tokens=n) prefills a common prefix once
+
+    def incremental_decoder(self, shared_prefix_tokens: int = 0) -> "CachedDecoder":
+        """Greedy generation from a KV cache: each batch's prompts run once, then one token per row per step;
+        prompts starting with the same `shared_prefix_tokens` or more tokens run that prefix once (0: never)."""
+        return CachedDecoder(self, shared_prefix_tokens)
 
     def _tree_mask(self, batch: Batch) -> torch.Tensor:
         """4D mask from the batch's segment/branch ids: bool for sdpa (True = attend), additive for eager."""
@@ -73,25 +76,48 @@ class CachedDecoder:
     Prompts are left-padded, so every row's newest token sits in the last column, and position ids count each
     row's real tokens only (as transformers' `generate` does): each row sees what it would see alone. Rows that
     finish are dropped from the cache, so they stop costing compute. One process holds the whole model (tp = pp = 1).
+
+    Prompts that start with the same `shared_prefix_tokens` (> 0) or more tokens (fixed few-shot examples) share them:
+    the common prefix runs once as a batch of one, its cache is copied to every row, and only each prompt's own
+    suffix is prefilled. Columns are then [prefix | left padding | suffix]: the padding sits between the two and is
+    masked out, and positions still count real tokens only, so each row again sees exactly its own prompt.
     """
 
-    def __init__(self, backend: TransformersModel):
+    def __init__(self, backend: TransformersModel, shared_prefix_tokens: int = 0):
         self.backend = backend
+        self.shared_prefix_tokens = shared_prefix_tokens  # 0: never share
         self.cache = None
         # transformers renamed `past_key_values` to `cache` (5.x; the old name warns, then goes in 5.40)
         model = backend.model.get_decoder() if backend._head_only_on_scored else backend.model
         self._cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-        self.mask: torch.Tensor | None = None  # [b, S] 1 on real tokens (prompt and generated), 0 on left padding
+        self.mask: torch.Tensor | None = None  # [b, S] 1 on real tokens (prompt and generated), 0 on padding
+        self.shared = 0  # length of the prefix the last prefill shared (0: none)
 
     def prefill(self, prompts: list[list[int]], pad_id: int) -> torch.Tensor:
         """Logits [B, V] at each prompt's last token; fills the cache with the prompts."""
-        width = max(len(p) for p in prompts)
+        self.cache, self.shared = None, self._shared_length(prompts)
+        if self.shared:
+            self.mask = torch.ones((1, self.shared), dtype=torch.int64)
+            self._forward(torch.tensor([prompts[0][: self.shared]], dtype=torch.int64))
+            self.cache.batch_repeat_interleave(len(prompts))
+        suffixes = [p[self.shared :] for p in prompts]
+        width = max(len(p) for p in suffixes)
         ids = torch.full((len(prompts), width), pad_id, dtype=torch.int64)
-        self.mask = torch.zeros((len(prompts), width), dtype=torch.int64)
-        for r, prompt in enumerate(prompts):
-            ids[r, width - len(prompt):] = torch.tensor(prompt, dtype=torch.int64)
-            self.mask[r, width - len(prompt):] = 1
+        mask = torch.zeros((len(prompts), width), dtype=torch.int64)
+        for r, suffix in enumerate(suffixes):
+            ids[r, width - len(suffix):] = torch.tensor(suffix, dtype=torch.int64)
+            mask[r, width - len(suffix):] = 1
+        self.mask = torch.cat([torch.ones((len(prompts), self.shared), dtype=torch.int64), mask], dim=1)
         return self._forward(ids)
+
+    def _shared_length(self, prompts: list[list[int]]) -> int:
+        """Tokens every prompt starts with, leaving each at least one of its own; 0 when under the threshold."""
+        if len(prompts) < 2 or not self.shared_prefix_tokens:
+            return 0
+        first, n = prompts[0], min(len(p) for p in prompts) - 1
+        for p in prompts[1:]:
+            n = next((i for i in range(n) if p[i] != first[i]), n)
+        return n if n >= self.shared_prefix_tokens else 0
 
     def extend(self, keep: list[int], next_ids: list[int]) -> torch.Tensor:
         """Keep rows `keep` (indices into the current rows, in order), append `next_ids[k]` to row keep[k];
