@@ -210,6 +210,39 @@ def test_sigterm_cancels_the_running_jobs(sequential, tmp_path):
           30, "the job's process to end")
 
 
+@pytest.mark.slow
+def test_a_restarted_driver_waits_for_the_jobs_the_killed_one_left_running(sequential, tmp_path):
+    """The driver is SIGKILLed while its jobs run (a login shell that ended): the jobs go on; the same command run
+    again waits for them (running.json) and scores nothing twice."""
+    import subprocess
+    import sys
+
+    run, reference = sequential
+    out, log = tmp_path / "out", tmp_path / "log.txt"
+    args = [sys.executable, "-m", "nano_eval", *_args(run, out, "--no-report", "--launcher", "local",
+                                                      "--group-size", "3")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(args, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+    try:
+        jobs = _wait(lambda: len(_job_logs(out / "jobs")) == 2 and _job_logs(out / "jobs"), 240, "both jobs")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert all(Path(f"/proc/{pid}").exists() for pid, _ in jobs.values())  # the jobs outlive their driver
+    again = subprocess.run(args, capture_output=True, text=True, timeout=600, env=env)
+    assert again.returncode == 0, again.stderr[-3000:]
+    for job_id in jobs:
+        assert f"job {job_id} of an earlier run of this sweep is still running" in again.stdout
+    assert "submitted" not in again.stdout  # nothing scored twice
+    assert len(list((out / "jobs").glob("*_submitted.pkl"))) == 2
+    assert (out / "sweep_results.csv").read_text() == (reference / "sweep_results.csv").read_text()
+    for job_id in jobs:  # each job scored its checkpoints once
+        log_text = (out / "jobs" / f"{job_id}_0_log.out").read_text()
+        assert re.findall(r"nano_eval job: (checkpoint-\d+) \(step", log_text) == jobs[job_id][1]
+
+
 # ---- what the executors are given ---------------------------------------------------------------------------------
 
 def test_slurm_job_script_carries_the_options(tmp_path, monkeypatch):

@@ -14,13 +14,17 @@ Faults: a job that raises, is killed, runs out of time or memory is reported wit
 once with the checkpoints it left unscored (the ones it finished are not redone); a second failure records those
 checkpoints as failed (table `error` column, exit code 1). Re-running the command reuses every finished
 checkpoint, so it is idempotent. SIGINT / SIGTERM cancel the jobs still running (scancel under Slurm) and keep
-what they finished. The driver must stay alive while the jobs run (a login-node shell, tmux, or its own small job).
+what they finished. The driver should stay alive while the jobs run (a login-node shell, tmux, or its own small
+job); if it dies anyway, the jobs go on, and the next run of the command finds them in `<out>/jobs/running.json`
+and waits for them instead of scoring their checkpoints a second time.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -34,6 +38,7 @@ from nano_eval.sweep.signals import StopFlag
 LAUNCHERS = ("local", "slurm")
 JOBS_DIR = "jobs"  # <out>/jobs/: submitit's pickles and each job's <id>_<task>_log.out / .err
 JOB_POLL_S = {"local": 0.2, "slurm": 10.0}  # how often the driver asks whether a job ended
+RUNNING_NAME = "running.json"  # <out>/jobs/running.json: the jobs the driver waits for (read by a restarted driver)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,11 +94,44 @@ def make_executor(o: LaunchOptions, folder: Path):
     return executor
 
 
+class OrphanLocalJob:
+    """A local job whose driver died (its controller process was re-parented): followed by the controller's pid,
+    the local job id. Answers the few questions the driver asks of a submitit Job."""
+
+    def __init__(self, folder: Path, job_id: str):
+        from submitit.local.local import LocalJob
+
+        self._job = LocalJob(folder=folder, job_id=job_id)
+        self._job._results_timeout_s = 1
+        self.job_id, self.paths = job_id, self._job.paths
+
+    def alive(self) -> bool:
+        try:  # the pid may have been reused by another program: it must still be a submitit controller
+            return b"submitit.local._local" in Path(f"/proc/{int(self.job_id)}/cmdline").read_bytes()
+        except (OSError, ValueError):
+            return False
+
+    @property
+    def state(self) -> str:
+        return "RUNNING" if self.alive() else "FINISHED"
+
+    def done(self) -> bool:
+        return not self.alive()
+
+    def results(self) -> list:
+        return self._job.results()
+
+    def cancel(self, check: bool = True) -> None:
+        if self.alive():
+            os.kill(int(self.job_id), signal.SIGINT)  # as LocalJob.cancel: the controller stops its tasks
+
+
 @dataclass
 class Submitted:
-    job: Any  # a submitit Job
+    job: Any  # a submitit Job (or OrphanLocalJob)
     items: list[WorkItem]
     attempt: int  # 1, then 2 for the retry
+    adopted: dict[str, str] | None = None  # started by an earlier driver: {checkpoint name: identity} it scores
 
     @property
     def log(self) -> Path:
@@ -117,6 +155,7 @@ class LaunchedSweep(SweepRunner):
 
     def _loop(self, stop: StopFlag) -> None:
         self.executor = make_executor(self.launch, self.out / JOBS_DIR)
+        self._adopt()
         if self.options.watch:
             print(f"nano_eval: watching {self.run_dir} every {self.options.poll_s:g}s; jobs go to "
                   f"--launcher {self.launch.launcher} (stop: Ctrl-C / SIGTERM)", flush=True)
@@ -139,6 +178,8 @@ class LaunchedSweep(SweepRunner):
                 if left:
                     print(f"nano_eval: job {s.job.job_id} cancelled before scoring {', '.join(left)}; rerun the "
                           "command to score them", file=sys.stderr, flush=True)
+            self.running = []
+            self._write_running()
 
     def _plan_round(self) -> float | None:
         """Look at the run directory: merge reused checkpoints, submit the others in groups. Returns when to look
@@ -151,8 +192,11 @@ class LaunchedSweep(SweepRunner):
         fresh = []
         for item in work:
             self.handled.add(item.ckpt.path)
+            adopter = next((s for s in self.running if (s.adopted or {}).get(item.ckpt.name) == item.identity), None)
             if item.reuse:
                 self._process(item)  # prints "already evaluated", records it, logs W&B
+            elif adopter is not None:
+                adopter.items.append(item)  # an earlier driver's job is scoring it: wait for that job
             else:
                 fresh.append(item)
         size = self.launch.group_size
@@ -177,6 +221,38 @@ class LaunchedSweep(SweepRunner):
             self.running.append(Submitted(job, group, attempt))
             print(f"nano_eval: job {job.job_id} {'resubmitted' if attempt > 1 else 'submitted'}: "
                   f"{', '.join(i.ckpt.name for i in group)} (log: {job.paths.stderr})", flush=True)
+        self._write_running()
+
+    def _write_running(self) -> None:
+        """Record the jobs being waited for, so a driver restarted after this one died waits for them instead of
+        scoring their checkpoints a second time."""
+        from nano_eval.tracking.files import write_json
+
+        write_json(self.out / JOBS_DIR / RUNNING_NAME, {
+            str(s.job.job_id): {"launcher": self.launch.launcher, "attempt": s.attempt,
+                                "checkpoints": {i.ckpt.name: i.identity for i in s.items} | (s.adopted or {})}
+            for s in self.running})
+
+    def _adopt(self) -> None:
+        """Follow the jobs an earlier driver of this folder left running (it was killed, or its login shell ended)."""
+        try:
+            records = json.loads((self.out / JOBS_DIR / RUNNING_NAME).read_text())
+        except (OSError, ValueError):
+            return
+        for job_id, record in records.items():
+            if record.get("launcher") != self.launch.launcher:
+                continue
+            if self.launch.launcher == "local":
+                job = OrphanLocalJob(self.out / JOBS_DIR, job_id)
+            else:
+                import submitit
+
+                job = submitit.SlurmJob(folder=self.out / JOBS_DIR, job_id=job_id)
+            if job.done():
+                continue  # ended: its results are on disk (reused) or its checkpoints are planned again
+            self.running.append(Submitted(job, [], record.get("attempt", 1), adopted=record["checkpoints"]))
+            print(f"nano_eval: job {job_id} of an earlier run of this sweep is still running "
+                  f"({', '.join(record['checkpoints'])}): waiting for it instead of submitting them again", flush=True)
 
     # ---- merge (this process holds the output lock) ---------------------------------------------------------------
 
@@ -198,6 +274,8 @@ class LaunchedSweep(SweepRunner):
                 if not self._merge(item, status.get(item.ckpt.name), s, error, last_try=s.attempt > 1):
                     retry.append(item)
             self._submit([retry] if retry else [], attempt=s.attempt + 1)
+        if ended:
+            self._write_running()
         if ended and (self.summary.done or self.summary.failed):
             write_table(self.summary.done, self.out, self.summary.failed)
             if self.options.watch and self.options.report:
@@ -219,8 +297,6 @@ class LaunchedSweep(SweepRunner):
 
     def _merge(self, item: WorkItem, status: str | None, s: Submitted, error: str | None, last_try: bool) -> bool:
         """Record one checkpoint of an ended job; False when it must be tried again."""
-        import json
-
         path = self.out / item.ckpt.name / "results.json"
         try:
             doc = json.loads(path.read_text())
