@@ -38,8 +38,14 @@ _SEQUENCE_PARALLEL_ATTRS = ("sequence_parallel", "scatter_to_sequence_parallel",
 
 
 def unsupported_reason(backend) -> str | None:
-    """Why `backend` (a MegatronModel) cannot decode from the static KV cache exactly; None when it can."""
+    """Why `backend` (a MegatronModel) cannot decode from the static KV cache exactly; None when it can. Depends
+    only on the model's classes and config, so every rank gets the same answer."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    try:
+        from megatron.core.inference.contexts import StaticInferenceContext  # noqa: F401
+    except ImportError:
+        return "this megatron-core has no megatron.core.inference.contexts.StaticInferenceContext"
 
     if backend.pad_to_length:
         return "pad_to_length (static shapes)"
