@@ -28,7 +28,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from nano_eval.backends.base import Batch
+from nano_eval.backends.base import Batch, note_rerun_generation
 from nano_eval.compat.megatron import call_schedule, layout_from_megatron, unwrap
 from nano_eval.errors import NanoEvalError
 
@@ -70,7 +70,11 @@ class MegatronModel:
         (generation re-runs the prompt for every token) where the model cannot decode that way exactly."""
         from nano_eval.backends.megatron_cache import StaticCacheDecoder, unsupported_reason
 
-        return None if unsupported_reason(self) else StaticCacheDecoder(self)
+        reason = unsupported_reason(self)
+        if reason is None:
+            return StaticCacheDecoder(self)
+        note_rerun_generation(self, reason)
+        return None
 
     @torch.no_grad()
     def run(self, inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor], rows: torch.Tensor, cols: torch.Tensor,
