@@ -69,15 +69,18 @@ def cached_and_rerun(backend, embedding) -> dict:
     return out
 
 
-def check_cost(gens: list[dict]) -> tuple[int, int]:
+def check_cost(gens: list[dict], row_multiple: int = 1) -> tuple[int, int]:
     """Assert the decoder's token count grows with prompt + answer and the re-run path's with their product;
-    `gens`: cached_and_rerun of every rank. Returns (decoder tokens, re-run tokens) summed over DP."""
+    `gens`: cached_and_rerun of every rank; row_multiple: the decoder tops its batch up to a multiple of this
+    many rows (the Megatron decoder under an interleaved pipeline). Each rank's requests fit one batch here.
+    Returns (decoder tokens, re-run tokens) summed over DP."""
     gens = [g for g in gens if g["first_stage"] and g["tp_rank"] == 0]  # TP ranks embed the same tokens
     cached, rerun = sum(g["cached_tokens"] for g in gens), sum(g["rerun_tokens"] for g in gens)
     requests = gens[0]["cached"].values()  # (tokens, text, prompt length), gathered over DP
     longest, dp = max(n for _, _, n in requests), len(gens)
-    padded = -(-len(requests) // dp) * dp  # the DP sampler repeats requests to give every rank as many
-    assert cached <= padded * (longest + GEN_TOKENS)  # each prompt once (left-padded), then one token per step
+    per_rank = -(-len(requests) // dp)  # the DP sampler repeats requests to give every rank as many
+    rows = dp * -(-per_rank // row_multiple) * row_multiple
+    assert cached <= rows * (longest + GEN_TOKENS)  # each prompt once (left-padded), then one token per step
     assert rerun >= sum(n + t for tokens, _, n in requests for t in range(len(tokens)))  # prompt + answer so far
     assert rerun > 5 * cached
     return cached, rerun

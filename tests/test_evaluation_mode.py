@@ -35,3 +35,20 @@ def test_evaluate_restores_training_state_and_rng(toy_checkpoint):
     assert torch.rand(3).tolist() == torch.rand(3, generator=expected[0]).tolist()
     assert random.random() == expected[1].random()
     assert np.random.rand() == expected[2].rand()
+
+
+def test_generation_without_kv_cache_is_noted_once_on_rank_0(capsys):
+    """A backend whose model cannot decode from a KV cache says so (and why) once, on global rank 0 only."""
+    from types import SimpleNamespace
+
+    from nano_eval.backends.base import note_rerun_generation
+    from nano_eval.parallel import ParallelLayout
+
+    main = SimpleNamespace(layout=ParallelLayout())
+    note_rerun_generation(main, "tp_mode REDUCE_SCATTER")
+    note_rerun_generation(main, "tp_mode REDUCE_SCATTER")
+    other = SimpleNamespace(layout=ParallelLayout(rank=1, world_size=2, dp_rank=1, dp_size=2))
+    note_rerun_generation(other, "tp_mode REDUCE_SCATTER")
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == ["nano_eval: note: SimpleNamespace generates without a KV cache (tp_mode REDUCE_SCATTER): every "
+                     "new token re-runs the prompt, so generation costs prompt x answer tokens."]

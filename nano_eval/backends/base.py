@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import sys
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -62,6 +63,16 @@ class Backend(Protocol):
         Called by every rank of the model replica with the same batch, under torch.no_grad and eval mode.
         """
         ...
+
+
+def note_rerun_generation(backend, reason: str) -> None:
+    """Say once per backend, on global rank 0, that greedy generation re-runs the prompt for every new token."""
+    if getattr(backend, "_noted_rerun", False):
+        return
+    backend._noted_rerun = True
+    if backend.layout.is_main:
+        print(f"nano_eval: note: {type(backend).__name__} generates without a KV cache ({reason}): every new token "
+              "re-runs the prompt, so generation costs prompt x answer tokens.", file=sys.stderr)
 
 
 @contextlib.contextmanager

@@ -28,7 +28,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from nano_eval.backends.base import Batch
+from nano_eval.backends.base import Batch, note_rerun_generation
 from nano_eval.compat.megatron import call_schedule, layout_from_megatron, unwrap
 from nano_eval.errors import NanoEvalError
 
@@ -70,14 +70,19 @@ class MegatronModel:
         (generation re-runs the prompt for every token) where the model cannot decode that way exactly."""
         from nano_eval.backends.megatron_cache import StaticCacheDecoder, unsupported_reason
 
-        return None if unsupported_reason(self) else StaticCacheDecoder(self)
+        reason = unsupported_reason(self)
+        if reason is None:
+            return StaticCacheDecoder(self)
+        note_rerun_generation(self, reason)
+        return None
 
     @torch.no_grad()
     def run(self, inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor], rows: torch.Tensor, cols: torch.Tensor,
             context=None) -> torch.Tensor | None:
         """One forward of (input_ids [B, S], position_ids [B, S], attention_mask [1 or B, 1, S, S_k] bool, True =
         masked) through every stage: logits [N, V/tp] at (rows, cols) on the last stage, None elsewhere.
-        context: a megatron-core inference context holding the KV cache (then the whole batch is one microbatch)."""
+        context: a megatron-core static inference context holding the KV cache; the batch is then split into
+        `decode_microbatches` equal microbatches (B must divide), microbatch m in cache rows [m * B/n, (m+1) * B/n)."""
         with self._output_layer_on_scored_positions():
             if self.layout.pp_size == 1 and len(self.chunks) == 1:
                 return self._scored(self.chunks[0], inputs, rows, cols, context)
@@ -141,12 +146,18 @@ class MegatronModel:
 
     # ---- pipeline parallel: Megatron's schedule ------------------------------------------------------------------
 
+    @property
+    def decode_microbatches(self) -> int:
+        """Microbatches per KV-cache decoding step: 1, or pp under the interleaved schedule (it wants a multiple
+        of pp)."""
+        return self.layout.pp_size if len(self.chunks) > 1 else 1
+
     def _forward_pipelined(self, inputs, rows, cols, context=None) -> torch.Tensor | None:
         """Run the batch through Megatron's schedule in microbatches of `micro_batch_size` rows (with a KV-cache
-        context: one microbatch, so the cache's rows are the batch's rows)."""
+        context: `decode_microbatches` of them, each told its rows in the cache)."""
         input_ids, position_ids, mask = inputs
         b, s = input_ids.shape
-        mbs = b if context is not None else min(self.micro_batch_size or b, b)
+        mbs = b // self.decode_microbatches if context is not None else min(self.micro_batch_size or b, b)
         n_micro = math.ceil(b / mbs)
         if len(self.chunks) > 1:  # the interleaved schedule wants a multiple of pp microbatches
             n_micro = math.ceil(n_micro / self.layout.pp_size) * self.layout.pp_size
@@ -156,13 +167,15 @@ class MegatronModel:
         if mask.shape[0] > 1:
             mask = F.pad(mask, (0, 0, 0, 0, 0, 0, 0, extra), value=True)
         picks = [torch.nonzero(rows // mbs == m).squeeze(-1) for m in range(n_micro)]
-        micro = [((input_ids[m * mbs:(m + 1) * mbs], position_ids[m * mbs:(m + 1) * mbs],
-                   mask if mask.shape[0] == 1 else mask[m * mbs:(m + 1) * mbs]), rows[p] - m * mbs, cols[p])
+        micro = [(m, (input_ids[m * mbs:(m + 1) * mbs], position_ids[m * mbs:(m + 1) * mbs],
+                      mask if mask.shape[0] == 1 else mask[m * mbs:(m + 1) * mbs]), rows[p] - m * mbs, cols[p])
                  for m, p in enumerate(picks)]
 
         def forward_step(data_iterator, model):
-            micro_inputs, r, c = next(data_iterator)
+            m, micro_inputs, r, c = next(data_iterator)
             self._picks = (r, c)  # read by the output-layer hook, within this call
+            if context is not None:
+                context.batch_size_offset = m * mbs  # where this microbatch's rows sit in the KV cache
             output = _call(model, micro_inputs, context)  # logits on the last stage's last chunk, else hidden states
 
             def scored_logits(output_tensor, non_loss_data=False):
@@ -173,6 +186,8 @@ class MegatronModel:
         iterators = [iter(micro) for _ in self.chunks] if len(self.chunks) > 1 else iter(micro)
         collected = call_schedule(forward_step, iterators, self.chunks, num_microbatches=n_micro, seq_length=s,
                                   micro_batch_size=mbs)
+        if context is not None:
+            context.batch_size_offset = 0
         if not self.layout.is_output_stage:
             return None
         out = torch.empty(rows.numel(), collected[0].shape[-1], dtype=collected[0].dtype, device=collected[0].device)

@@ -4,7 +4,9 @@
 layers write their keys and values into it (`[capacity, b, groups/tp, head_dim]` per layer, on the ranks that
 hold the layer) and read every earlier column back, so each prompt runs through the model once and then one token
 per row per step. Between pipeline stages the hidden states travel through Megatron's schedule, as in the
-backend's scoring forward (the whole batch is one microbatch); the vocab-sharded logits `[b, V/tp]` of each row's
+backend's scoring forward: the whole batch is one microbatch, or pp equal ones under the interleaved schedule
+(several chunks per stage; the batch is topped up with copies of its first row, and each microbatch writes its
+rows of the cache through the context's batch offset). The vocab-sharded logits `[b, V/tp]` of each row's
 newest token come out of the last stage.
 
 Megatron's static cache gives every row the same column for its newest token, so prompts are left-padded, and
@@ -19,8 +21,8 @@ megatron-core's static inference supports neither), and the output layer keeps v
 Exact where the core attention is megatron-core's local `DotProductAttention` (it applies the mask we pass).
 Other models keep the re-run path (`unsupported_reason` says why): Transformer Engine / flash attention cores
 (in megatron's static-inference path they apply a causal or no mask, ignoring the padding mask), flash decoding
-or CUDA graphs, an interleaved pipeline (several chunks per stage), multi-latent attention, multi-token
-prediction, position embeddings other than rope / learned absolute / none, `pad_to_length`.
+or CUDA graphs, multi-latent attention, multi-token prediction, position embeddings other than rope / learned
+absolute / none, `pad_to_length`.
 """
 
 from __future__ import annotations
@@ -36,30 +38,34 @@ _SEQUENCE_PARALLEL_ATTRS = ("sequence_parallel", "scatter_to_sequence_parallel",
 
 
 def unsupported_reason(backend) -> str | None:
-    """Why `backend` (a MegatronModel) cannot decode from the static KV cache exactly; None when it can."""
+    """Why `backend` (a MegatronModel) cannot decode from the static KV cache exactly; None when it can. Depends
+    only on the model's classes and config, so every rank gets the same answer."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-    if len(backend.chunks) > 1:
-        return "an interleaved pipeline (several model chunks per stage)"
+    try:
+        from megatron.core.inference.contexts import StaticInferenceContext  # noqa: F401
+    except ImportError:
+        return "this megatron-core has no megatron.core.inference.contexts.StaticInferenceContext"
+
     if backend.pad_to_length:
         return "pad_to_length (static shapes)"
-    model = unwrap(backend.chunks[0])
-    config = getattr(model, "config", None)
-    if config is None or not hasattr(model, "decoder"):
-        return "not a megatron-core GPTModel"
-    if getattr(model, "position_embedding_type", None) not in _POSITIONS:
-        return f"position embedding {getattr(model, 'position_embedding_type', None)!r}"
-    for flag in ("flash_decode", "multi_latent_attention", "mtp_num_layers"):
-        if getattr(config, flag, None):
-            return f"config.{flag}"
-    if getattr(config, "cuda_graph_impl", "none") != "none":
-        return "CUDA graphs"
-    if getattr(model, "post_process", False) and getattr(model, "output_layer", None) is None:
-        return "no output_layer"
-    for layer in model.decoder.layers:
-        core = getattr(getattr(layer, "self_attention", None), "core_attention", None)
-        if not isinstance(core, DotProductAttention):
-            return f"core attention {type(core).__name__} (the padding mask needs megatron's DotProductAttention)"
+    for model in map(unwrap, backend.chunks):
+        config = getattr(model, "config", None)
+        if config is None or not hasattr(model, "decoder"):
+            return "not a megatron-core GPTModel"
+        if getattr(model, "position_embedding_type", None) not in _POSITIONS:
+            return f"position embedding {getattr(model, 'position_embedding_type', None)!r}"
+        for flag in ("flash_decode", "multi_latent_attention", "mtp_num_layers"):
+            if getattr(config, flag, None):
+                return f"config.{flag}"
+        if getattr(config, "cuda_graph_impl", "none") != "none":
+            return "CUDA graphs"
+        if getattr(model, "post_process", False) and getattr(model, "output_layer", None) is None:
+            return "no output_layer"
+        for layer in model.decoder.layers:
+            core = getattr(getattr(layer, "self_attention", None), "core_attention", None)
+            if not isinstance(core, DotProductAttention):
+                return f"core attention {type(core).__name__} (the padding mask needs megatron's DotProductAttention)"
     return None
 
 
@@ -75,10 +81,13 @@ class StaticCacheDecoder:
 
     def __init__(self, backend):
         self.backend = backend
-        self.model = unwrap(backend.chunks[0])
+        self.models = [unwrap(chunk) for chunk in backend.chunks]
+        self.groups = backend.decode_microbatches  # the batch is split into this many equal microbatches
         self.context = None  # megatron-core StaticInferenceContext of the current batch
-        self.pads: torch.Tensor | None = None  # [b] int64: left-padding columns of each row
+        self.rows = 0  # real rows; the cache also holds filler rows (copies of row 0) up to a multiple of groups
+        self.pads: torch.Tensor | None = None  # [cache rows] int64: left-padding columns of each cache row
 
+    @torch.no_grad()
     def prefill(self, prompts: list[list[int]], pad_id: int) -> torch.Tensor | None:
         """Logits [B, V/tp] at each prompt's last token (last stage); fills the cache with the prompts."""
         from megatron.core.inference.contexts import StaticInferenceContext
@@ -87,21 +96,31 @@ class StaticCacheDecoder:
         ids = torch.full((len(prompts), width), pad_id, dtype=torch.int64)
         for r, prompt in enumerate(prompts):
             ids[r, width - len(prompt):] = torch.tensor(prompt, dtype=torch.int64)
-        self.pads = torch.tensor([width - len(p) for p in prompts], dtype=torch.int64, device=self.backend.device)
-        self.context = StaticInferenceContext(max_batch_size=len(prompts), max_sequence_length=width + self.headroom)
+        self.rows = len(prompts)
+        pads = torch.tensor([width - len(p) for p in prompts], dtype=torch.int64, device=self.backend.device)
+        self.pads = self._filled(pads)
+        self.context = StaticInferenceContext(max_batch_size=len(self.pads), max_sequence_length=width + self.headroom)
         return self._forward(ids)
 
+    @torch.no_grad()
     def extend(self, keep: list[int], next_ids: list[int]) -> torch.Tensor | None:
         """Keep rows `keep` (indices into the current rows, in order), append next_ids[k] to row keep[k];
         logits [len(keep), V/tp] at the appended tokens (last stage)."""
-        if len(keep) < self.pads.numel():
-            index = torch.tensor(keep, dtype=torch.int64, device=self.backend.device)
+        if len(keep) < self.rows:
+            index = self._filled(torch.tensor(keep, dtype=torch.int64, device=self.backend.device))
             memory = self.context.key_value_memory_dict
-            for layer, (keys, values) in memory.items():  # [capacity, b, groups/tp, head_dim]
+            for layer, (keys, values) in memory.items():  # [capacity, cache rows, groups/tp, head_dim]
                 memory[layer] = (keys.index_select(1, index.to(keys.device)),
                                  values.index_select(1, index.to(values.device)))
-            self.context.max_batch_size, self.pads = len(keep), self.pads[index]
+            self.rows, self.pads = len(keep), self.pads[index]
+            self.context.max_batch_size = len(index)
         return self._forward(torch.tensor(next_ids, dtype=torch.int64)[:, None])
+
+    def _filled(self, rows: torch.Tensor) -> torch.Tensor:
+        """[b] -> [b'] with b' the next multiple of self.groups: filler rows repeat the first row (their logits are
+        never read)."""
+        fill = -rows.shape[0] % self.groups
+        return torch.cat([rows, rows[:1].expand(fill, *rows.shape[1:])]) if fill else rows
 
     def _forward(self, new_ids: torch.Tensor) -> torch.Tensor | None:
         """new_ids [b, n] into cache columns [start, start + n) of every row; logits [b, V/tp] at the last one."""
@@ -109,15 +128,15 @@ class StaticCacheDecoder:
         start = context.sequence_len_offset
         end = start + new_ids.shape[1]
         self._reserve(end)
+        new_ids = self._filled(new_ids.to(device))
         columns = torch.arange(start, end, device=device)
-        positions = (columns[None, :] - self.pads[:, None]).clamp(min=0)  # [b, n]
+        positions = (columns[None, :] - self.pads[:, None]).clamp(min=0)  # [cache rows, n]
         keys = torch.arange(end, device=device)
         masked = (keys[None, None, :] > columns[None, :, None]) | (keys[None, None, :] < self.pads[:, None, None])
-        rows = torch.arange(new_ids.shape[0], device=device)
+        rows = torch.arange(self.rows, device=device)
         # the static context hands the output layer the last column only ([1, b, H]): pick (row r, column 0)
         with self._decoding():
-            logits = self.backend.run((new_ids.to(device), positions, masked[:, None]), rows, torch.zeros_like(rows),
-                                      context)
+            logits = self.backend.run((new_ids, positions, masked[:, None]), rows, torch.zeros_like(rows), context)
         context.sequence_len_offset = end
         return logits
 
@@ -141,16 +160,20 @@ class StaticCacheDecoder:
     def _decoding(self):
         """While inside: per-row RoPE positions, and sequence parallelism / fused RoPE off (restored after)."""
         with ExitStack() as stack:
-            rotary = getattr(self.model, "rotary_pos_emb", None)
-            if self.model.position_embedding_type == "rope" and rotary is not None:
-                stack.callback(rotary.register_forward_hook(self._per_row_rotary).remove)
-            stack.enter_context(_plain_attributes(self.model))
+            for model in self.models:
+                rotary = getattr(model, "rotary_pos_emb", None)
+                if model.position_embedding_type == "rope" and rotary is not None:
+                    stack.callback(rotary.register_forward_hook(self._per_row_rotary).remove)
+                stack.enter_context(_plain_attributes(model))
             yield
 
     def _per_row_rotary(self, module, args, emb: torch.Tensor) -> torch.Tensor:
-        """RoPE table [capacity, 1, 1, dim] -> [capacity, b, 1, dim]: column c of row r at position c - pad_r."""
+        """RoPE table [capacity, 1, 1, dim] -> [capacity, mb, 1, dim] for the microbatch in flight (cache rows
+        [batch_size_offset, + mb)): column c of row r at position c - pad_r."""
+        mb = len(self.pads) // self.groups
+        pads = self.pads[self.context.batch_size_offset:self.context.batch_size_offset + mb].to(emb.device)
         columns = torch.arange(emb.shape[0], device=emb.device)
-        return emb[:, 0][(columns[:, None] - self.pads.to(emb.device)[None, :]).clamp(min=0)]
+        return emb[:, 0][(columns[:, None] - pads[None, :]).clamp(min=0)]
 
 
 @contextmanager

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from nano_eval.backends.base import Batch
+from nano_eval.backends.base import Batch, note_rerun_generation
 from nano_eval.compat.nanotron import forward_kwargs, import_nanotron
 from nano_eval.parallel import ParallelLayout
 
@@ -68,7 +68,11 @@ class NanotronModel:
         re-runs the prompt for every token) under tp_mode REDUCE_SCATTER or for a model other than its Llama."""
         from nano_eval.backends.nanotron_cache import StoreDecoder, unsupported_reason
 
-        return None if unsupported_reason(self) else StoreDecoder(self)
+        reason = unsupported_reason(self)
+        if reason is None:
+            return StoreDecoder(self)
+        note_rerun_generation(self, reason)
+        return None
 
     @torch.no_grad()
     def forward(self, batch: Batch) -> torch.Tensor | None:

@@ -26,10 +26,13 @@ import torch
 def unsupported_reason(backend) -> str | None:
     """Why `backend` (a NanotronModel) cannot decode from nanotron's KV cache; None when it can. Depends only on
     the model's class and config, so every rank gets the same answer."""
-    from nanotron.models.llama import LlamaModel
+    from nanotron.generation.generate_store import AttachableStore
+    from nanotron.models.llama import CausalSelfAttention, LlamaModel
 
     if not isinstance(backend.forward_module, LlamaModel):
         return f"{type(backend.forward_module).__name__} is not nanotron 0.4's LlamaModel"
+    if not issubclass(CausalSelfAttention, AttachableStore):
+        return "this nanotron's attention has no inference store"
     if backend.seq_multiple > 1:
         return "tp_mode REDUCE_SCATTER"
     return None
