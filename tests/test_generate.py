@@ -109,3 +109,29 @@ def test_shared_prefix_decoder_matches_unshared_logits(toy_backend):
     torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
     for keep, ids in [([0, 1, 2, 3, 4], [5, 6, 7, 8, 9]), ([0, 2, 4], [3, 3, 3]), ([1, 2], [7, 8])]:
         torch.testing.assert_close(shared.extend(keep, ids), plain.extend(keep, ids), atol=1e-4, rtol=1e-4)
+
+
+def test_growing_cache_writes_in_place_and_decodes_like_dynamic_cache(toy_backend, monkeypatch):
+    """Decode steps append into spare room (the buffer is not reallocated each step, unlike DynamicLayer's
+    torch.cat); logits equal transformers' own DynamicCache exactly, through row drops and a shared prefix."""
+    import torch
+
+    import nano_eval.backends.transformers as tb
+
+    prompts = [toy_backend.tokenizer(r.context)["input_ids"] for r in _few_shot_requests(4, 1)]
+    steps = [([0, 1, 2, 3], [5, 6, 7, 8]), ([0, 1, 2, 3], [1, 2, 3, 4]), ([1, 3], [9, 9]), ([0, 1], [4, 4])]
+    steps += [([0, 1], [t, t + 1]) for t in range(10, 16)]
+    runs = {}
+    for name, cache in [("growing", tb._growing_cache), ("dynamic", lambda model: None)]:
+        monkeypatch.setattr(tb, "_growing_cache", cache)
+        decoder = tb.CachedDecoder(toy_backend, shared_prefix_tokens=32)
+        runs[name] = [decoder.prefill(prompts, 0)]
+        buffers = set()
+        for keep, ids in steps:
+            runs[name].append(decoder.extend(keep, ids))
+            buffers.add(getattr(decoder.cache.layers[0], "room", (torch.empty(0),))[0].data_ptr())
+        if name == "growing":
+            assert isinstance(decoder.cache.layers[0], tb._GrowingLayer)
+            assert len(buffers) <= 3  # new room only after the two row drops, not at every step
+    for a, b in zip(runs["growing"], runs["dynamic"]):
+        assert torch.equal(a, b)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import inspect
 
 import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from nano_eval.backends.base import Batch
 from nano_eval.errors import NanoEvalError
@@ -95,7 +96,7 @@ class CachedDecoder:
 
     def prefill(self, prompts: list[list[int]], pad_id: int) -> torch.Tensor:
         """Logits [B, V] at each prompt's last token; fills the cache with the prompts."""
-        self.cache, self.shared = None, self._shared_length(prompts)
+        self.cache, self.shared = _growing_cache(self.backend.model), self._shared_length(prompts)
         if self.shared:
             self.mask = torch.ones((1, self.shared), dtype=torch.int64)
             self._forward(torch.tensor([prompts[0][: self.shared]], dtype=torch.int64))
@@ -143,6 +144,50 @@ class CachedDecoder:
             logits = out.logits[:, -1]
         self.cache = getattr(out, self._cache_arg)
         return logits
+
+
+class _GrowingLayer(DynamicLayer):
+    """A DynamicLayer that writes new keys/values into spare room at the end of its buffers (doubled when full)
+    instead of concatenating: a decode step copies one token per row, not the whole cache (DynamicLayer's
+    torch.cat copies B x S x kv-width per layer per step, which dominates decoding long few-shot prompts).
+    `keys` / `values` stay views [B, kv_heads, S, head_dim] of the filled part, so the rest of DynamicLayer holds."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+            self.room = None
+        n, k = self.get_seq_length(), key_states.shape[-2]
+        if self.room is None or n + k > self.room[0].shape[-2]:
+            shape = (*key_states.shape[:-2], max(2 * (n + k), 64), key_states.shape[-1])
+            self.room = (key_states.new_empty(shape), value_states.new_empty(shape))
+            if n:
+                self.room[0][..., :n, :] = self.keys
+                self.room[1][..., :n, :] = self.values
+        self.room[0][..., n : n + k, :] = key_states
+        self.room[1][..., n : n + k, :] = value_states
+        self.keys, self.values = self.room[0][..., : n + k, :], self.room[1][..., : n + k, :]
+        return self.keys, self.values
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        self.room = None  # keys/values are fresh tensors now; the next update moves them into new room
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        self.room = None
+
+
+def _growing_cache(model) -> DynamicCache | None:
+    """A DynamicCache of _GrowingLayer when the model's own cache would be all plain DynamicLayer (full attention
+    in every layer), else None (the model builds its own: sliding-window layers and the like)."""
+    try:
+        cache = DynamicCache(config=model.config)
+    except Exception:  # noqa: BLE001 -- an unusual config: let the model choose its cache
+        return None
+    if not cache.layers or any(type(layer) is not DynamicLayer for layer in cache.layers):
+        return None
+    cache.layers = [_GrowingLayer() for _ in cache.layers]
+    return cache
 
 
 def _model_max_length(model, tokenizer) -> int:
