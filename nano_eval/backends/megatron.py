@@ -18,6 +18,8 @@ vocab-sharded logits `[B, S, V/tp]` on the last pipeline stage.
   stage holds the same batch, so the schedule is told the batch's real sequence length (no variable_seq_lengths
   needed); `pad_to_length` fixes it instead.
 Rows are right-padded, so a causal mask alone keeps padding out of every scored position.
+- Greedy generation: `incremental_decoder()` decodes from megatron-core's static KV cache in the same layout
+  (nano_eval.backends.megatron_cache), or returns None where the model cannot (the prompt is then re-run per token).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import torch.nn.functional as F
 from nano_eval.backends.base import Batch, note_rerun_generation
 from nano_eval.compat.megatron import call_schedule, layout_from_megatron, unwrap
 from nano_eval.errors import NanoEvalError
+from nano_eval.parallel import any_rank_true
 
 
 class MegatronModel:
@@ -70,11 +73,12 @@ class MegatronModel:
         (generation re-runs the prompt for every token) where the model cannot decode that way exactly."""
         from nano_eval.backends.megatron_cache import StaticCacheDecoder, unsupported_reason
 
-        reason = unsupported_reason(self)
-        if reason is None:
-            return StaticCacheDecoder(self)
-        note_rerun_generation(self, reason)
-        return None
+        reason = unsupported_reason(self)  # from this stage's layers: all stages must agree before decoding
+        lay = self.layout
+        if any_rank_true(reason is not None, lay.pp_group, lay.pp_size, lay.device):
+            note_rerun_generation(self, reason or "a model chunk on another pipeline stage")
+            return None
+        return StaticCacheDecoder(self)
 
     @torch.no_grad()
     def run(self, inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor], rows: torch.Tensor, cols: torch.Tensor,

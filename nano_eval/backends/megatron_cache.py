@@ -38,8 +38,8 @@ _SEQUENCE_PARALLEL_ATTRS = ("sequence_parallel", "scatter_to_sequence_parallel",
 
 
 def unsupported_reason(backend) -> str | None:
-    """Why `backend` (a MegatronModel) cannot decode from the static KV cache exactly; None when it can. Depends
-    only on the model's classes and config, so every rank gets the same answer."""
+    """Why `backend` (a MegatronModel) cannot decode from the static KV cache exactly; None when it can. Looks at
+    this rank's chunks only (MegatronModel.incremental_decoder makes the pipeline stages agree)."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     try:

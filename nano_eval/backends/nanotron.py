@@ -11,6 +11,10 @@ offsets. With an all-true mask each row is one causal sequence of length S: a re
 before it, all real, so its logits are exactly those of the unpadded row (the pad tokens after it cost compute,
 not correctness). Under sequence-parallel TP (`tp_mode: REDUCE_SCATTER`) S must divide by tp: more pad tokens
 are appended at the end, which by the same argument changes nothing.
+
+Greedy generation: `incremental_decoder()` decodes from nanotron's own KV cache (its inference `Store` path,
+nano_eval.backends.nanotron_cache), or returns None under tp_mode REDUCE_SCATTER (the prompt is then re-run per
+token).
 """
 
 from __future__ import annotations

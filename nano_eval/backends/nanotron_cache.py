@@ -14,8 +14,8 @@ batch holds about max_batch_tokens / (prompt + max_new_tokens) rows), and its pr
 position through lm_head, as the scoring forward does. The inference path rotates q/k with nanotron's complex-
 valued RotaryEmbedding instead of the training path's flash-attn rotary kernel: the same interleaved rotation,
 equal up to float rounding. Not used (the prompt is re-run per token, `unsupported_reason` says why) for
-`tp_mode: REDUCE_SCATTER` (one token per step cannot be split along the sequence over TP ranks) or a model other
-than nanotron's LlamaModel.
+`tp_mode: REDUCE_SCATTER` (one token per step cannot be split along the sequence over TP ranks), a max_length
+past max_position_embeddings (the cache's columns), or a model other than nanotron's LlamaModel.
 """
 
 from __future__ import annotations
@@ -35,6 +35,9 @@ def unsupported_reason(backend) -> str | None:
         return "this nanotron's attention has no inference store"
     if backend.seq_multiple > 1:
         return "tp_mode REDUCE_SCATTER"
+    columns = backend.forward_module.config.max_position_embeddings
+    if backend.max_length > columns:
+        return f"max_length {backend.max_length} > max_position_embeddings {columns}, the columns of nanotron's cache"
     return None
 
 
