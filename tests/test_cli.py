@@ -32,7 +32,7 @@ def _error_lines(err: str) -> list[str]:
 def test_top_level_help_lists_the_subcommands(capsys):
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
-    assert "{eval,sweep}" in out
+    assert "{eval,sweep,compare}" in out
     lines = out.splitlines()
     assert any(line.split()[:1] == ["eval"] for line in lines) and any(line.split()[:1] == ["sweep"] for line in lines)
 
