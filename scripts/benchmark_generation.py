@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--checkpoint", help="transformers model folder (default: SmolLM2-135M-Instruct, else toy)")
     p.add_argument("--limit", type=int, default=32, help="GSM8K test questions for the 5-shot and 0-shot cases")
     p.add_argument("--long-limit", type=int, default=8, help="questions for the long-answer case")
-    p.add_argument("--long-tokens", type=int, default=1024, help="new tokens in the long-answer case (EOS only stop)")
+    p.add_argument("--long-tokens", type=int, default=512, help="new tokens in the long-answer case (EOS only stop)")
     p.add_argument("--cases", default="", help="comma-separated subset of: gsm8k 5-shot,gsm8k 0-shot,long answer")
     p.add_argument("--reps", type=int, default=2, help="interleaved repetitions (medians reported)")
     p.add_argument("--lm-batch-sizes", default="8,32", help="lm-eval batch sizes tried in the first repetition")
