@@ -147,9 +147,10 @@ class CachedDecoder:
 
 
 class _GrowingLayer(DynamicLayer):
-    """A DynamicLayer that writes new keys/values into spare room at the end of its buffers (doubled when full)
-    instead of concatenating: a decode step copies one token per row, not the whole cache (DynamicLayer's
-    torch.cat copies B x S x kv-width per layer per step, which dominates decoding long few-shot prompts).
+    """A DynamicLayer that writes new keys/values into spare room at the end of its buffers (grown by a quarter,
+    at least 128 tokens, when full) instead of concatenating: a decode step copies one token per row, not the whole
+    cache (DynamicLayer's torch.cat copies B x S x kv-width per layer per step, which dominates decoding long
+    few-shot prompts).
     `keys` / `values` stay views [B, kv_heads, S, head_dim] of the filled part, so the rest of DynamicLayer holds."""
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -158,7 +159,7 @@ class _GrowingLayer(DynamicLayer):
             self.room = None
         n, k = self.get_seq_length(), key_states.shape[-2]
         if self.room is None or n + k > self.room[0].shape[-2]:
-            shape = (*key_states.shape[:-2], max(2 * (n + k), 64), key_states.shape[-1])
+            shape = (*key_states.shape[:-2], n + k + max(128, (n + k) // 4), key_states.shape[-1])
             self.room = (key_states.new_empty(shape), value_states.new_empty(shape))
             if n:
                 self.room[0][..., :n, :] = self.keys
