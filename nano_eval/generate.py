@@ -1,9 +1,11 @@
 """Greedy decoding, one batch of prompts at a time.
 
-A backend with `incremental_decoder()` (the transformers backend) runs each prompt once and then one token per row
-per step from its KV cache: the cost grows with prompt + answer length. Any other backend re-runs the whole prompt
-(plus what was generated) for every new token, one ordinary forward of prompt-only rows
-(nano_eval.rows.last_position_row), which works on every backend and every TP/PP layout but costs prompt x answer.
+A backend with `incremental_decoder()` (transformers: its cache or a growing buffer; nanotron: its `Store` inference
+path; Megatron: megatron-core's static inference context) runs each prompt once and then one token per row per step
+from its KV cache: the cost grows with prompt + answer length. When a backend has no decoder, or returns None for
+this model (a layout or attention kernel its cache cannot serve exactly), the whole prompt (plus what was
+generated) is re-run for every new token, one ordinary forward of prompt-only rows (nano_eval.rows.last_position_row),
+which works on every backend and every TP/PP layout but costs prompt x answer.
 Either way the argmax comes from the vocab-sharded logits on the output pipeline stage and is broadcast to every
 rank of the replica, so all ranks agree on when to stop.
 """
