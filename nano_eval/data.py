@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Iterator, Sequence
 
-from nano_eval.rows import Row
+from nano_eval.rows import Row, common_prefix_length
 
 
 class DynamicBatchDataset:
@@ -99,7 +99,7 @@ class GenerativeTaskDataset(DynamicBatchDataset):
             row = self.sorted_items[i]
             prompt, length = row.segments[0].context, self.length_fn(row)
             if batch:
-                new_common = _common_length(first, prompt, common)
+                new_common = common_prefix_length(first, prompt, common)
                 new_longest, new_shortest = max(longest, length), min(shortest, len(prompt))
                 shared = min(new_common, new_shortest - 1)
                 shared = shared if shared >= self.shared_prefix_tokens else 0
@@ -112,11 +112,6 @@ class GenerativeTaskDataset(DynamicBatchDataset):
         if batch:
             yield batch
 
-
-def _common_length(a: Sequence[int], b: Sequence[int], limit: int) -> int:
-    """Length of the common start of `a` and `b`, at most `limit`."""
-    n = min(limit, len(a), len(b))
-    return next((k for k in range(n) if a[k] != b[k]), n)
 
 
 class GenerativeTaskDatasetNanotron(GenerativeTaskDataset):

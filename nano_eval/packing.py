@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from nano_eval.rows import Choice, Row, Segment
+from nano_eval.rows import Choice, Row, Segment, common_prefix_length
 
 
 def build_segments(groups: Sequence[list[tuple[Any, list[int], list[int]]]], max_length: int,
@@ -92,7 +92,7 @@ def share_prefixes(segments: Sequence[Segment], capacity: int, min_prefix: int) 
 
     for seg in sorted(filter(eligible, segments), key=lambda s: s.context):
         if run:
-            common = min(_common_len(run[0].context, seg.context), shared, len(seg.context) - 1)
+            common = min(common_prefix_length(run[0].context, seg.context, shared), len(seg.context) - 1)
             cost = sum(s.input_len for s in run) + seg.input_len - len(run) * common
             if common >= min_prefix and cost <= capacity:
                 run.append(seg)
@@ -104,10 +104,3 @@ def share_prefixes(segments: Sequence[Segment], capacity: int, min_prefix: int) 
         flush()
     return rows, left
 
-
-def _common_len(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i

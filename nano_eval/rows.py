@@ -96,6 +96,12 @@ def last_position_row(key: Any, tokens: list[int], truncated: int = 0, generatio
     return Row([Segment(tokens, [Choice(key, [ARGMAX], truncated)])], generation=generation)
 
 
+def common_prefix_length(a: Sequence[int], b: Sequence[int], limit: int | None = None) -> int:
+    """How many first tokens `a` and `b` share (at most `limit`): what packed scoring and generation store once."""
+    n = min(len(a), len(b)) if limit is None else min(limit, len(a), len(b))
+    return next((k for k in range(n) if a[k] != b[k]), n)
+
+
 def make_batch(rows: Sequence[Row], pad_id: int, with_mask: bool) -> Batch:
     """Right-padded batch of rows, scored positions in (row, segment, choice, token) order.
 

@@ -14,7 +14,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 from nano_eval.backends.base import Batch
 from nano_eval.errors import NanoEvalError
 from nano_eval.parallel import ParallelLayout
-from nano_eval.rows import tree_attention_mask
+from nano_eval.rows import common_prefix_length, tree_attention_mask
 
 
 class TransformersModel:
@@ -117,7 +117,7 @@ class CachedDecoder:
             return 0
         first, n = prompts[0], min(len(p) for p in prompts) - 1
         for p in prompts[1:]:
-            n = next((i for i in range(n) if p[i] != first[i]), n)
+            n = common_prefix_length(first, p, n)
         return n if n >= self.shared_prefix_tokens else 0
 
     def extend(self, keep: list[int], next_ids: list[int]) -> torch.Tensor:

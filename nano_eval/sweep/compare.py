@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from nano_eval.errors import NanoEvalError
-from nano_eval.sweep.snr import LAST_K, detrended_jitter, line_fit
+from nano_eval.sweep.snr import LAST_K, Curve, detrended_jitter, line_fit, table_curves
 from nano_eval.sweep.table import CSV_NAME, read_table
 from nano_eval.tracking.files import atomic_write_text
 
@@ -54,19 +54,11 @@ class Difference:
     flagged: bool
 
 
-Curve = list[tuple[int, int | None, float, float | None]]  # (step, consumed tokens, value, stderr) in step order
-
-
 def load_curves(out_dir: Path) -> dict[tuple[str, str], Curve]:
     """{(task, metric): curve} of one sweep output folder."""
     if not (Path(out_dir) / CSV_NAME).exists():
         raise NanoEvalError(f"{out_dir} holds no {CSV_NAME}. Fix: pass the --output-dir of a `nano_eval sweep`.")
-    curves: dict[tuple[str, str], Curve] = {}
-    for r in read_table(out_dir):
-        if not r["error"] and r["value"] is not None:
-            curves.setdefault((r["task"], r["metric"]), []).append(
-                (r["step"], r["consumed_tokens"], r["value"], r["stderr"]))
-    return {k: sorted(v, key=lambda p: p[0]) for k, v in curves.items()}
+    return table_curves(read_table(out_dir))
 
 
 def interpolate(points: list[tuple[float, float]], at: float) -> float | None:

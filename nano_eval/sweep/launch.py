@@ -288,9 +288,11 @@ class LaunchedSweep(SweepRunner):
         try:
             return s.job.results()[0], None
         except FailedJobError as e:  # the function raised: the last line of its traceback names the error
-            trace = [line for line in str(e).split("-" * 22)[1].splitlines() if line.strip()] if "-" * 22 in str(
-                e) else [str(e)]
-            return {}, trace[-1].strip() if trace else "failed"
+            text = str(e)
+            if "-" * 22 not in text:  # submitit's rule around the traceback
+                return {}, text.strip() or "failed"
+            lines = [line.strip() for line in text.split("-" * 22)[1].splitlines() if line.strip()]
+            return {}, lines[-1] if lines else "failed"
         except UncompletedJobError:
             return {}, (f"ended without a result (state {s.job.state}: killed, out of memory or past --time "
                         f"{self.launch.time_min} min?)")

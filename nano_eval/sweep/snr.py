@@ -114,15 +114,24 @@ def curve_stats(task: str, metric: str, points: list[tuple[int, int | None, floa
                       jitter, stderr, noise, snr, tau)
 
 
+Curve = list[tuple[int, int | None, float, float | None]]  # (step, consumed tokens, value, stderr), step order
+
+
+def table_curves(rows: list[dict]) -> dict[tuple[str, str], Curve]:
+    """{(task, metric): curve} of a sweep table (table.table_rows / read_table), in table order; error rows and
+    rows without a value are left out."""
+    curves: dict[tuple[str, str], Curve] = {}
+    for r in rows:
+        if not r.get("error") and r["value"] is not None:
+            curves.setdefault((r["task"], r["metric"]), []).append(
+                (r["step"], r["consumed_tokens"], r["value"], r["stderr"]))
+    return {key: sorted(points, key=lambda p: p[0]) for key, points in curves.items()}
+
+
 def ranked(rows: list[dict], last_k: int = LAST_K) -> list[CurveStats]:
     """Every task x metric of a sweep table (table.table_rows / read_table; error rows ignored), highest
     signal-to-noise first (curves without an SNR last, in table order)."""
-    curves: dict[tuple[str, str], list] = {}
-    for r in rows:
-        if not r.get("error"):
-            curves.setdefault((r["task"], r["metric"]), []).append(
-                (r["step"], r["consumed_tokens"], r["value"], r["stderr"]))
-    stats = [s for (task, metric), pts in curves.items() if (s := curve_stats(task, metric, pts, last_k))]
+    stats = [s for (task, metric), pts in table_curves(rows).items() if (s := curve_stats(task, metric, pts, last_k))]
     return sorted(stats, key=lambda s: -s.snr if s.snr is not None else math.inf)
 
 
