@@ -102,6 +102,18 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int], limit: int | None =
     return next((k for k in range(n) if a[k] != b[k]), n)
 
 
+def left_padded(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids [b, w] int64, mask [b, w] bool: True on real tokens) with each prompt right-aligned (pads first), w the
+    longest prompt: how the KV-cache decoders take a batch, so every row's newest token sits in the last column."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.int64)
+    mask = torch.zeros((len(prompts), width), dtype=torch.bool)
+    for r, prompt in enumerate(prompts):
+        ids[r, width - len(prompt):] = torch.tensor(prompt, dtype=torch.int64)
+        mask[r, width - len(prompt):] = True
+    return ids, mask
+
+
 def make_batch(rows: Sequence[Row], pad_id: int, with_mask: bool) -> Batch:
     """Right-padded batch of rows, scored positions in (row, segment, choice, token) order.
 

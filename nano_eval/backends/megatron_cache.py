@@ -32,6 +32,7 @@ from contextlib import ExitStack, contextmanager
 import torch
 
 from nano_eval.compat.megatron import unwrap
+from nano_eval.rows import left_padded
 
 _POSITIONS = ("rope", "learned_absolute", "none")
 _SEQUENCE_PARALLEL_ATTRS = ("sequence_parallel", "scatter_to_sequence_parallel", "reduce_scatter_embeddings")
@@ -92,12 +93,10 @@ class StaticCacheDecoder:
         """Logits [B, V/tp] at each prompt's last token (last stage); fills the cache with the prompts."""
         from megatron.core.inference.contexts import StaticInferenceContext
 
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), pad_id, dtype=torch.int64)
-        for r, prompt in enumerate(prompts):
-            ids[r, width - len(prompt):] = torch.tensor(prompt, dtype=torch.int64)
+        ids, real = left_padded(prompts, pad_id)
+        width = ids.shape[1]
         self.rows = len(prompts)
-        pads = torch.tensor([width - len(p) for p in prompts], dtype=torch.int64, device=self.backend.device)
+        pads = (~real).sum(dim=1).to(self.backend.device)  # [b] left-padding columns of each row
         self.pads = self._filled(pads)
         self.context = StaticInferenceContext(max_batch_size=len(self.pads), max_sequence_length=width + self.headroom)
         return self._forward(ids)

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from nano_eval.rows import left_padded
+
 
 def unsupported_reason(backend) -> str | None:
     """Why `backend` (a NanotronModel) cannot decode from nanotron's KV cache; None when it can. Depends only on
@@ -60,12 +62,7 @@ class StoreDecoder:
     @torch.no_grad()
     def prefill(self, prompts: list[list[int]], pad_id: int) -> torch.Tensor | None:
         """Logits [B, V/tp] at each prompt's last token (last stage); fills the caches with the prompts."""
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), pad_id, dtype=torch.int64)
-        mask = torch.zeros((len(prompts), width), dtype=torch.bool)
-        for r, prompt in enumerate(prompts):  # left padding: nanotron's prefill requires pads before the tokens
-            ids[r, width - len(prompt):] = torch.tensor(prompt, dtype=torch.int64)
-            mask[r, width - len(prompt):] = True
+        ids, mask = left_padded(prompts, pad_id)  # nanotron's prefill requires the pads before the tokens
         self.rows = len(prompts)
         return self._forward(ids, mask)
 

@@ -14,7 +14,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 from nano_eval.backends.base import Batch
 from nano_eval.errors import NanoEvalError
 from nano_eval.parallel import ParallelLayout
-from nano_eval.rows import common_prefix_length, tree_attention_mask
+from nano_eval.rows import common_prefix_length, left_padded, tree_attention_mask
 
 
 class TransformersModel:
@@ -101,14 +101,8 @@ class CachedDecoder:
             self.mask = torch.ones((1, self.shared), dtype=torch.int64)
             self._forward(torch.tensor([prompts[0][: self.shared]], dtype=torch.int64))
             self.cache.batch_repeat_interleave(len(prompts))
-        suffixes = [p[self.shared :] for p in prompts]
-        width = max(len(p) for p in suffixes)
-        ids = torch.full((len(prompts), width), pad_id, dtype=torch.int64)
-        mask = torch.zeros((len(prompts), width), dtype=torch.int64)
-        for r, suffix in enumerate(suffixes):
-            ids[r, width - len(suffix):] = torch.tensor(suffix, dtype=torch.int64)
-            mask[r, width - len(suffix):] = 1
-        self.mask = torch.cat([torch.ones((len(prompts), self.shared), dtype=torch.int64), mask], dim=1)
+        ids, mask = left_padded([p[self.shared :] for p in prompts], pad_id)
+        self.mask = torch.cat([torch.ones((len(prompts), self.shared), dtype=torch.int64), mask.long()], dim=1)
         return self._forward(ids)
 
     def _shared_length(self, prompts: list[list[int]]) -> int:
