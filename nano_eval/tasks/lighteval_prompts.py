@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import string
 
+from nano_eval.metrics.normalizations import harness_triviaqa_normalizer
 from nano_eval.tasks.requests import Doc
 
 LETTERS = string.ascii_uppercase
@@ -79,9 +80,8 @@ def triviaqa_prompt(line: dict, task_name: str | None = None) -> Doc:
     for alias in sorted(line["answer"]["aliases"]):
         if not kept or not alias.startswith(kept[-1]):
             kept.append(alias)
-    no_punctuation = str.maketrans("", "", string.punctuation)
     return Doc(task_name=task_name, query=f"Question: {line['question']}\nAnswer:", gold_index=0,
-               choices=[[alias.lower().translate(no_punctuation) for alias in kept]])
+               choices=[[harness_triviaqa_normalizer(alias) for alias in kept]])
 
 
 __all__ = ["arc_prompt", "gsm8k_prompt", "math_prompt", "openbookqa_prompt", "piqa_prompt", "quac_prompt",
