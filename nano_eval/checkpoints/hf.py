@@ -37,12 +37,13 @@ def load_transformers(path: str, *, device: str = "cpu", dtype: str = "float32",
     from transformers import AutoModelForCausalLM
 
     folder = check_model_dir(path, policy)
-    tok = load_tokenizer(tokenizer or path, path, trust_remote_code=trust_remote_code, policy=policy)
     if folder is None or trust_remote_code:  # a Hub id, or code the user chose to trust: transformers loads it
+        tok = load_tokenizer(tokenizer or path, path, trust_remote_code=trust_remote_code, policy=policy)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype),
                                                      trust_remote_code=trust_remote_code)
         return TransformersModel(model.to(device), tok, layout=layout, max_length=max_length)
-    config = _config(path)
+    config = _config(path)  # before the tokenizer, which reads config.json too: a bad value is named here
+    tok = load_tokenizer(tokenizer or path, path, policy=policy)
     files = weight_files(folder)
     check_config_size(config, sum(f.stat().st_size for f in files), f"checkpoint {path}", policy)
     if files[0].name.endswith(".safetensors"):
@@ -58,7 +59,7 @@ def _config(path: str):
 
     try:
         return AutoConfig.from_pretrained(path, trust_remote_code=False)
-    except (ValueError, KeyError, TypeError, OSError) as e:
+    except Exception as e:  # noqa: BLE001 -- ValueError, OSError, transformers' own validation errors
         raise CheckpointFileError(Path(path) / "config.json", f"does not describe a model transformers knows "
                                   f"({type(e).__name__}: {' '.join(str(e).split())[:200]})",
                                   "restore config.json from the run that saved the checkpoint") from e
@@ -75,6 +76,13 @@ def _from_bin(folder: Folder, config, files: list[Path], dtype: str):
                                                   for k, v in shard.items()):
             raise CheckpointFileError(f, "is not a state dict (names -> tensors)")
         state.update(shard)
+    with torch.device("meta"):
+        expected = {k: v.shape for k, v in AutoModelForCausalLM.from_config(config).state_dict().items()}
+    wrong = [f"{k} {tuple(v.shape)} (config: {tuple(expected[k])})" for k, v in state.items()
+             if k in expected and v.shape != expected[k]]
+    if wrong:
+        raise CheckpointFileError(files[0], f"holds weights of other shapes than config.json says: {wrong[:3]}",
+                                  "restore the config.json that matches the weights, or copy the checkpoint again")
     model_class = AutoModelForCausalLM._model_mapping[type(config)]
     model = model_class.from_pretrained(None, config=config, state_dict=state, dtype=getattr(torch, dtype))
     if folder.has("generation_config.json"):

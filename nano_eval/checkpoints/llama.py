@@ -16,8 +16,13 @@ def llama_from_state_dict(config, state: dict[str, torch.Tensor], where: str, po
     weights is refused before anything is allocated."""
     from transformers import LlamaForCausalLM
 
-    with torch.device("meta"):
-        expected = {k: v.shape for k, v in LlamaForCausalLM(config).state_dict().items()}
+    try:
+        with torch.device("meta"):
+            expected = {k: v.shape for k, v in LlamaForCausalLM(config).state_dict().items()}
+    except (RuntimeError, ValueError, TypeError, OverflowError, AttributeError) as e:
+        raise NanoEvalError(f"{where}: its configuration describes no Llama transformers can build "
+                            f"({type(e).__name__}: {' '.join(str(e).split())[:200]}). Fix: restore the configuration "
+                            "from the run that saved the checkpoint.") from e
     missing = [k for k in expected if k not in state and not (config.tie_word_embeddings and k == "lm_head.weight")]
     unexpected = [k for k in state if k not in expected]
     wrong = [f"{k} {tuple(state[k].shape)} (config: {tuple(v)})" for k, v in expected.items()
@@ -50,8 +55,13 @@ def check_config_size(config, weight_bytes: int, where: str, policy: FilePolicy 
     counted on a meta-device model: nothing is allocated. Returns the count."""
     from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except (RuntimeError, ValueError, TypeError, OverflowError, AttributeError, KeyError) as e:
+        raise NanoEvalError(f"{where}: its configuration describes no model transformers can build "
+                            f"({type(e).__name__}: {' '.join(str(e).split())[:200]}). Fix: restore the configuration "
+                            "from the run that saved the checkpoint.") from e
     params = sum(p.numel() for p in model.parameters())
     if params > weight_bytes + (1 << 20):
         raise NanoEvalError(f"{where}: its configuration declares {params:,} parameters but its weight files hold "

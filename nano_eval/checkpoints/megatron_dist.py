@@ -298,8 +298,13 @@ def read_dist_checkpoint(iter_dir: str | Path, overrides: Mapping | None = None,
     data_files = {info.relative_path for info in metadata.storage_data.values()}
     disk = sum(folder.file(name).stat().st_size for name in data_files)
     check_model_size(args, folder.root / COMMON, disk_bytes=disk, policy=policy)
-    if folder.has("metadata.json") and not isinstance(folder.read_json("metadata.json", CONFIG_BYTES), dict):
-        raise CheckpointFileError(folder.root / "metadata.json", "is not a JSON object")
+    if folder.has("metadata.json"):
+        saved = folder.read_json("metadata.json", CONFIG_BYTES)
+        backend = saved.get("sharded_backend") if isinstance(saved, dict) else None
+        if backend != "torch_dist":
+            raise CheckpointFileError(folder.root / "metadata.json", f"says the checkpoint's format is "
+                                      f"{backend!r:.40}, not torch_dist (the only distributed format nano_eval reads)",
+                                      "convert the checkpoint to torch_dist or legacy, or copy it again")
 
     class _AlreadyRead(TorchCommonLoadStrategy):  # common.pt was read above, safely: do not torch.load it again
         def load_common(self, checkpoint_dir):
@@ -308,6 +313,7 @@ def read_dist_checkpoint(iter_dir: str | Path, overrides: Mapping | None = None,
     with single_stage_parallel_state(), _checked_reader(folder, metadata, folder.root / INDEX):
         model = build_gpt_model(args)
         sharded = _model_only(model.sharded_state_dict(metadata=common.get(CONTENT_METADATA)))
+        _check_requested(sharded, metadata, folder.root / INDEX)
         try:
             loaded = dist_checkpointing.load(sharded, str(folder.root), common_strategy=_AlreadyRead())
         except CheckpointFileError:
@@ -320,6 +326,18 @@ def read_dist_checkpoint(iter_dir: str | Path, overrides: Mapping | None = None,
                                 f"({_reason(e)}). Fix: check that it is a Llama-style GPT checkpoint; pass "
                                 "megatron_args=... if its args are wrong.") from e
     return {k: v for k, v in loaded.items() if isinstance(v, torch.Tensor)}, args
+
+
+def _check_requested(sharded: dict, metadata, index_path: Path) -> None:
+    """Every tensor the model asks for is a tensor in the index (not pickled bytes, which DCP would unpickle)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    for value in sharded.values():
+        key = getattr(value, "key", None)
+        found = metadata.state_dict_metadata.get(key)
+        if key is not None and found is not None and type(found) is not TensorStorageMetadata:
+            raise CheckpointFileError(index_path, f"the model's {key} is stored as pickled bytes, not a tensor "
+                                      "(loading it would run pickle on the file's bytes)")
 
 
 def _inner(error: BaseException) -> BaseException:

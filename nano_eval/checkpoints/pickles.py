@@ -215,6 +215,17 @@ def _layout(name):
     return layouts[name]
 
 
+# torch names a checkpoint of weights never needs, refused with the reason rather than as merely unknown
+_TORCH_REFUSALS = {
+    ("torch._utils", "_rebuild_meta_tensor_no_storage"): "a meta tensor (a shape with no data)",
+    ("torch._utils", "_rebuild_sparse_tensor"): "a sparse tensor",
+    ("torch._utils", "_rebuild_qtensor"): "a quantized tensor",
+    ("torch._utils", "_rebuild_wrapper_subclass"): "a tensor subclass",
+    ("torch._tensor", "_rebuild_from_type_v2"): "a tensor subclass or a tensor with Python attributes",
+    ("torch._utils", "_rebuild_parameter_with_state"): "a parameter with Python state",
+}
+
+
 class _Unpickler(pickle._Unpickler):
     """Python's own unpickler with every opcode that reaches outside the data answered by `allowed`."""
 
@@ -233,6 +244,9 @@ class _Unpickler(pickle._Unpickler):
             return found
         if self.allowed.opaque(module, name):
             return Opaque(f"{module}.{name}")
+        if (module, name) in _TORCH_REFUSALS:
+            raise pickle.UnpicklingError(f"it holds {_TORCH_REFUSALS[module, name]} ({module}.{name}), which a "
+                                         "checkpoint of weights never needs")
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint")
 
     def persistent_load(self, pid):

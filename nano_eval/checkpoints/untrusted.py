@@ -33,7 +33,10 @@ class CheckpointFileError(NanoEvalError):
     def __init__(self, path: str | Path, what: str, fix: str = "copy the checkpoint again from the run that saved "
                  "it, or from a source you trust"):
         super().__init__(f"{path}: {what}. Fix: {fix}.")
-        self.path, self.what = str(path), what
+        self.path, self.what, self.fix = str(path), what, fix
+
+    def __reduce__(self):  # torch.distributed.checkpoint passes a reader's errors between ranks by pickling them
+        return type(self), (self.path, self.what, self.fix)
 
 
 @dataclass(frozen=True, kw_only=True)
