@@ -321,7 +321,7 @@ def gpt_model_from_args(args):
     rank's TP shard and PP stage, holding the seed-0 weights (with tied embeddings, lm_head is not used)."""
     from megatron.core import parallel_state as ps
 
-    from nano_eval.checkpoints.megatron_dist import build_gpt_model
+    from nano_eval.checkpoints.megatron_model import build_gpt_model
     from tests.megatron_gpt import GPTConfig, logical_weights, megatron_shard
 
     cfg = GPTConfig()

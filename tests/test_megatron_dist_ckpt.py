@@ -102,7 +102,7 @@ def test_unsafe_or_incomplete_checkpoints_are_refused(saved, tmp_path):
     shutil.copytree(saved["dist"] / ITER, unsafe)
     marker = tmp_path / "pwned"
     (unsafe / ".metadata").write_bytes(pickle.dumps(_Touch(marker)))
-    with pytest.raises(NanoEvalError, match="not allowed in a checkpoint index"):
+    with pytest.raises(NanoEvalError, match="not allowed in a checkpoint"):
         load_megatron_llama_as_hf(unsafe)
     assert not marker.exists()
 

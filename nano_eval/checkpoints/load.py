@@ -3,7 +3,8 @@
 Formats, in the order they are recognised: a nanotron checkpoint (`config.yaml` + `model/`), a Megatron iteration
 folder or run dir (legacy `mp_rank_*` shards or torch_dist), else a transformers folder or Hub id. nanotron and
 Megatron checkpoints are read into a transformers Llama (any machine); `backend="nanotron"` builds nanotron's own
-model in a TP x PP layout instead (GPU + flash-attn).
+model in a TP x PP layout instead (GPU + flash-attn), `backend="megatron"` megatron-core's GPTModel (dense or MoE)
+in TP x PP x EP (megatron_native.py).
 
 Also the one checkpoint fingerprint, used in results.json and to recognise a checkpoint a sweep already scored.
 """
@@ -27,9 +28,10 @@ READ_SUFFIXES = (".safetensors", ".bin", ".pt", ".json", ".yaml", ".distcp")
 class LoadOptions:
     """How to build the model behind an evaluation from a checkpoint."""
 
-    backend: str = "transformers"  # "nanotron": nanotron's own model class in tp x pp (GPU + flash-attn)
-    tp: int = 1  # tensor-parallel degree (backend "nanotron")
-    pp: int = 1  # pipeline-parallel degree (backend "nanotron")
+    backend: str = "transformers"  # "nanotron" / "megatron": the framework's own model class in tp x pp (x ep)
+    tp: int = 1  # tensor-parallel degree (backends "nanotron", "megatron")
+    pp: int = 1  # pipeline-parallel degree (backends "nanotron", "megatron")
+    ep: int = 1  # expert-parallel degree (backend "megatron")
     tokenizer: str | None = None  # replaces the checkpoint's own (nanotron: config.yaml's; Megatron: required)
     device: str = "cpu"
     dtype: str = "float32"  # "float32", "bfloat16" or "float16"
@@ -65,6 +67,14 @@ def _load(path: str, o: LoadOptions):
     from nano_eval.checkpoints.hf import load_transformers
 
     policy = o.policy
+    if o.backend == "megatron":
+        from nano_eval.checkpoints import megatron_native
+
+        if not megatron_legacy.is_megatron_checkpoint(path):
+            raise NanoEvalError(f"--backend megatron needs a Megatron checkpoint (an iter_XXXXXXX folder or its run "
+                                f"dir): {path}")
+        return megatron_native.load_native(path, o.tokenizer, tp=o.tp, pp=o.pp, ep=o.ep, dtype=o.dtype,
+                                           max_length=o.max_length, device=o.device, policy=policy)
     if o.backend == "nanotron":
         if not nanotron.is_nanotron_checkpoint(path):
             raise NanoEvalError(f"--backend nanotron needs a nanotron checkpoint (config.yaml + model/): {path}")

@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from nano_eval.checkpoints.megatron_args import args_dict, check_model_size, hf_config_from_args, load_shard
+from nano_eval.checkpoints.megatron_args import LLAMA_STYLE, args_dict, check_model_size, hf_config_from_args, load_shard
+from nano_eval.checkpoints.megatron_model import build_gpt_model
 from nano_eval.checkpoints.pickles import TENSORS, dcp_index, load_torch, unpickle
 from nano_eval.checkpoints.untrusted import CONFIG_BYTES, CheckpointFileError, FilePolicy, Folder
 from nano_eval.errors import NanoEvalError
@@ -199,47 +200,6 @@ def read_common(iter_dir: Path, policy: FilePolicy = FilePolicy()) -> dict:
     return common
 
 
-def transformer_config(args: Mapping):
-    """megatron-core's TransformerConfig for a Llama-style GPT (Megatron-LM argument names), on CPU at the
-    current parallel_state's TP / PP sizes; weights are not initialised (the checkpoint overwrites them)."""
-    import torch.nn.functional as F
-    from megatron.core import parallel_state as ps
-    from megatron.core.transformer import TransformerConfig
-
-    heads = args["num_attention_heads"]
-    dtype = args.get("params_dtype") if isinstance(args.get("params_dtype"), torch.dtype) else torch.float32
-    return TransformerConfig(
-        num_layers=args["num_layers"], hidden_size=args["hidden_size"], ffn_hidden_size=args["ffn_hidden_size"],
-        num_attention_heads=heads,
-        num_query_groups=args.get("num_query_groups") if args.get("group_query_attention") else heads,
-        kv_channels=args.get("kv_channels") or args["hidden_size"] // heads, normalization="RMSNorm",
-        layernorm_epsilon=args.get("norm_epsilon", 1e-5), gated_linear_unit=True, activation_func=F.silu,
-        bias_activation_fusion=False, add_bias_linear=False, add_qkv_bias=False,
-        rotary_interleaved=bool(args.get("rotary_interleaved")),
-        tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
-        pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(), pipeline_dtype=dtype,
-        params_dtype=dtype,
-        use_cpu_initialization=True, perform_initialization=False)
-
-
-def build_gpt_model(args: Mapping):
-    """This rank's GPTModel stage (local layer spec: no Transformer Engine needed); at TP1/PP1, the whole model."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-    try:
-        return GPTModel(
-            config=transformer_config(args), transformer_layer_spec=get_gpt_layer_local_spec(),
-            vocab_size=args["padded_vocab_size"],
-            max_sequence_length=args.get("max_position_embeddings") or args["seq_length"],
-            pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
-            share_embeddings_and_output_weights=not args.get("untie_embeddings_and_output_weights", False),
-            position_embedding_type="rope", rotary_percent=1.0, rotary_base=int(args.get("rotary_base", 10000)))
-    except KeyError as e:
-        raise NanoEvalError(f"the checkpoint's args lack {e}. Fix: pass megatron_args=... (Megatron's names).") from e
-
-
 @contextlib.contextmanager
 def single_stage_parallel_state():
     """torch.distributed and Megatron's parallel_state at TP1 / PP1 for the load; undoes only what it set up.
@@ -287,7 +247,6 @@ def read_dist_checkpoint(iter_dir: str | Path, overrides: Mapping | None = None,
 
     overrides: Megatron argument names/values that replace the pickled args (e.g. for an old checkpoint)."""
     from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
     from torch.distributed.checkpoint.api import CheckpointException
 
     folder = Folder(iter_dir, policy).check()
@@ -306,16 +265,12 @@ def read_dist_checkpoint(iter_dir: str | Path, overrides: Mapping | None = None,
                                       f"{backend!r:.40}, not torch_dist (the only distributed format nano_eval reads)",
                                       "convert the checkpoint to torch_dist or legacy, or copy it again")
 
-    class _AlreadyRead(TorchCommonLoadStrategy):  # common.pt was read above, safely: do not torch.load it again
-        def load_common(self, checkpoint_dir):
-            return {}
-
     with single_stage_parallel_state(), _checked_reader(folder, metadata, folder.root / INDEX):
-        model = build_gpt_model(args)
+        model = build_gpt_model({**LLAMA_STYLE, **args}, tp=1, pp=1, ep=1)  # the converter's Llama defaults
         sharded = _model_only(model.sharded_state_dict(metadata=common.get(CONTENT_METADATA)))
         _check_requested(sharded, metadata, folder.root / INDEX)
         try:
-            loaded = dist_checkpointing.load(sharded, str(folder.root), common_strategy=_AlreadyRead())
+            loaded = dist_checkpointing.load(sharded, str(folder.root), common_strategy=_AlreadyReadCommon())
         except CheckpointFileError:
             raise
         except (Exception, CheckpointException) as e:  # torch's CheckpointException is a BaseException
@@ -326,6 +281,17 @@ def read_dist_checkpoint(iter_dir: str | Path, overrides: Mapping | None = None,
                                 f"({_reason(e)}). Fix: check that it is a Llama-style GPT checkpoint; pass "
                                 "megatron_args=... if its args are wrong.") from e
     return {k: v for k, v in loaded.items() if isinstance(v, torch.Tensor)}, args
+
+
+def _AlreadyReadCommon():  # noqa: N802 -- stands for a class megatron-core defines
+    """megatron-core's common-state strategy that does not torch.load common.pt again (read_common read it)."""
+    from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
+
+    class AlreadyRead(TorchCommonLoadStrategy):
+        def load_common(self, checkpoint_dir):
+            return {}
+
+    return AlreadyRead()
 
 
 def _check_requested(sharded: dict, metadata, index_path: Path) -> None:

@@ -48,26 +48,31 @@ TRACKER = "latest_checkpointed_iteration.txt"
 ITER_DIR = re.compile(r"^(iter_\d{7}|release)$")
 
 
-def shard_files(folder: Folder) -> dict[tuple[int, int], Path]:
-    """{(tp_rank, pp_rank): model_optim_rng.pt} of a legacy iteration folder (checked); no shard may be missing."""
+def shard_files(folder: Folder, allow_expert_shards: bool = False) -> dict[tuple, Path]:
+    """{(tp_rank, pp_rank): model_optim_rng.pt} of a legacy iteration folder (checked); no shard may be missing.
+    allow_expert_shards: keys are (tp_rank, pp_rank, ep_rank), and `mp_rank_TT_PPP_EEE` folders are read (the
+    native backend); otherwise they are refused (the transformers conversion is for dense models)."""
     iter_dir = folder.root
-    found: dict[tuple[int, int], Path] = {}
+    found: dict[tuple[int, int, int], Path] = {}
     for sub in sorted(p for p in iter_dir.iterdir() if p.is_dir()):
         m = SHARD_DIR.match(sub.name)
         if not m:
             continue
-        if m.group(3) is not None:
-            raise NanoEvalError(f"{sub}: expert-parallel shards are not supported (Llama-style dense models only).")
-        found[(int(m.group(1)), int(m.group(2) or 0))] = sub / "model_optim_rng.pt"
+        if m.group(3) is not None and not allow_expert_shards:
+            raise NanoEvalError(f"{sub}: expert-parallel shards convert to transformers only for dense models. Fix: "
+                                "score it with --backend megatron --tp T --pp P --ep E (its saved layout).")
+        found[(int(m.group(1)), int(m.group(2) or 0), int(m.group(3) or 0))] = sub / "model_optim_rng.pt"
     if not found:
         raise NanoEvalError(f"{iter_dir} holds no mp_rank_XX folders. Fix: pass a Megatron iter_* folder.")
-    tp, pp = max(t for t, _ in found) + 1, max(p for _, p in found) + 1
-    missing = [f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "") for t in range(tp) for p in range(pp)
-               if not found.get((t, p), Path("/nonexistent")).is_file()]
+    tp, pp, ep = (max(k[i] for k in found) + 1 for i in range(3))
+    missing = [f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 or ep > 1 else "") + (f"_{e:03d}" if ep > 1 else "")
+               for t in range(tp) for p in range(pp) for e in range(ep)
+               if not found.get((t, p, e), Path("/nonexistent")).is_file()]
     if missing:
-        raise NanoEvalError(f"{iter_dir}: missing shards {missing} of tp={tp} x pp={pp}. "
-                            "Fix: finish copying the checkpoint.")
-    return {key: folder.file(path) for key, path in found.items()}
+        raise NanoEvalError(f"{iter_dir}: missing shards {missing} of tp={tp} x pp={pp}" + (f" x ep={ep}" if ep > 1
+                            else "") + ". Fix: finish copying the checkpoint.")
+    checked = {key: folder.file(path) for key, path in found.items()}
+    return checked if allow_expert_shards else {key[:2]: path for key, path in checked.items()}
 
 
 def read_megatron_checkpoint(iter_dir: str | Path, overrides: Mapping | None = None,

@@ -101,11 +101,13 @@ def task_specs(text: str) -> str:
 
 def add_model_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
-    g.add_argument("--backend", default="transformers", choices=["transformers", "nanotron"],
-                   help="nanotron: build nanotron's own model in --tp x --pp under torchrun (needs flash-attn); "
-                        "transformers: any machine")
-    g.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel degree (--backend nanotron)")
-    g.add_argument("--pp", type=positive_int, default=1, help="pipeline-parallel degree (--backend nanotron)")
+    g.add_argument("--backend", default="transformers", choices=["transformers", "nanotron", "megatron"],
+                   help="nanotron: nanotron's own model in --tp x --pp under torchrun (needs flash-attn); megatron: "
+                        "megatron-core's GPTModel (dense or MoE) in --tp x --pp x --ep under torchrun; "
+                        "transformers: any machine, one process per data-parallel replica")
+    g.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel degree (--backend nanotron/megatron)")
+    g.add_argument("--pp", type=positive_int, default=1, help="pipeline-parallel degree (--backend nanotron/megatron)")
+    g.add_argument("--ep", type=positive_int, default=1, help="expert-parallel degree (--backend megatron)")
     g.add_argument("--tokenizer", default=None,
                    help="tokenizer folder or Hub id, for every checkpoint kind (default: the checkpoint's own; "
                         "nanotron: its config.yaml's; Megatron: required)")
@@ -155,7 +157,8 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
 
 
 def load_options(args: argparse.Namespace) -> LoadOptions:
-    return LoadOptions(backend=args.backend, tp=args.tp, pp=args.pp, tokenizer=args.tokenizer, device=args.device,
+    return LoadOptions(backend=args.backend, tp=args.tp, pp=args.pp, ep=args.ep, tokenizer=args.tokenizer,
+                       device=args.device,
                        dtype=args.dtype, max_length=args.max_length, trust_remote_code=args.trust_remote_code,
                        allow_symlinks_outside=args.allow_symlinks_outside,
                        max_checkpoint_bytes=args.max_checkpoint_bytes)
