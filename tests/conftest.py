@@ -1,6 +1,10 @@
-"""Shared fixtures: a toy checkpoint built once per test session (seconds, no download)."""
+"""Shared fixtures: a toy checkpoint built once per test session (seconds, no download); and the process guard
+(tests/process_guard.py): a test that leaves a process running fails, and so does a session that does."""
 
 import pytest
+
+from tests.process_guard import (  # noqa: F401  (pytest hooks, found here by name)
+    pytest_configure, pytest_runtest_setup, pytest_runtest_teardown, pytest_sessionfinish)
 
 
 @pytest.fixture(scope="session")

@@ -21,6 +21,7 @@ from nano_eval.cli import main as run_main
 from nano_eval.tracking.jsonl import read_jsonl
 from nano_eval.training.config import EvalHookConfig
 from nano_eval.training.hook import EvalHook
+from tests.process_guard import end_process_tree
 
 DEMO = Path(__file__).resolve().parents[1] / "nano_eval" / "tasks" / "data" / "arithmetic.jsonl"
 
@@ -277,8 +278,7 @@ def test_a_stopped_rank_is_named_within_the_timeout(tmp_path):
     run.mkdir()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
            "-m", "nano_eval", *_sweep(run, out, "--watch", "--poll-s", "0.2", "--dist-timeout", "4")]
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=ENV, start_new_session=True)
-    stopped = None
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=ENV)
     try:
         _wait_for(lambda: "watching" in log.read_text(), 120, proc, log)
         stopped = _child_with_rank(proc.pid, 1)
@@ -287,7 +287,8 @@ def test_a_stopped_rank_is_named_within_the_timeout(tmp_path):
         _wait_for(lambda: "nano_eval: error:" in log.read_text(), 30, proc, log)
         took = time.monotonic() - start
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and both workers (SIGKILL ends a stopped process too)
+        # torchrun and both workers: torchrun starts each in a session of its own, out of reach of a killpg
+        end_process_tree(proc.pid)
         proc.wait()
     [line] = [x for x in _error_lines(log.read_text()) if "[rank 0]" in x]
     assert line.startswith("nano_eval: error: [rank 0] sweep failed: rank 1 did not answer within 4s (--dist-timeout)")
