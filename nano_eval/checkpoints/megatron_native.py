@@ -49,16 +49,18 @@ def load_native(checkpoint: str, tokenizer: str | None, *, tp: int, pp: int, ep:
                             f"torchrun --nproc_per_node={tp * pp * ep} nano_eval/run.py ...")
     tok = load_tokenizer(tokenizer, checkpoint, policy=policy)
     iter_dir = Folder(resolve_iteration_dir(checkpoint, policy), policy).check().root
+    legacy = not is_dist_checkpoint(iter_dir) or any(SHARD_DIR.match(p.name) for p in iter_dir.iterdir())
+    files = _legacy_files(iter_dir, (tp, pp, ep), policy) if legacy else None  # a layout mismatch: before any setup
     if not dist.is_initialized():  # one process without torchrun: a world of one on an in-memory store
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     initialize_model_parallel_for_eval(tp=tp, pp=pp, ep=ep, device=device)
     torch_dtype = getattr(torch, dtype)
-    if is_dist_checkpoint(iter_dir) and not any(SHARD_DIR.match(p.name) for p in iter_dir.iterdir()):
-        model, args = _load_dist(iter_dir, tp * pp, torch_dtype, policy)
+    if legacy:
+        model, args = _load_legacy(files, torch_dtype, policy)
     else:
-        model, args = _load_legacy(iter_dir, (tp, pp, ep), torch_dtype, policy)
+        model, args = _load_dist(iter_dir, tp * pp, torch_dtype, policy)
     if device.startswith("cuda"):
         model = model.cuda()
     length = max_length or args.get("max_position_embeddings") or args.get("seq_length")
@@ -97,16 +99,21 @@ def _load_dist(iter_dir: Path, model_parallel: int, dtype: torch.dtype, policy: 
     return model, args
 
 
-def _load_legacy(iter_dir: Path, layout: tuple[int, int, int], dtype: torch.dtype, policy: FilePolicy):
-    """(this rank's GPTModel stage holding its legacy shard, args): the saved layout must be the requested one."""
-    from megatron.core import parallel_state as ps
-
+def _legacy_files(iter_dir: Path, layout: tuple[int, int, int], policy: FilePolicy) -> dict:
+    """{(tp_rank, pp_rank, ep_rank): shard} of a legacy checkpoint saved in exactly `layout`."""
     files = shard_files(Folder(iter_dir, policy), allow_expert_shards=True)
     saved = tuple(max(k[i] for k in files) + 1 for i in range(3))
     if saved != layout:
         raise NanoEvalError(f"{iter_dir}: a legacy checkpoint saved at tp={saved[0]} x pp={saved[1]} x ep={saved[2]} "
                             f"loads only in that layout, not tp={layout[0]} x pp={layout[1]} x ep={layout[2]}. Fix: "
                             f"pass --tp {saved[0]} --pp {saved[1]} --ep {saved[2]}, or convert it to torch_dist.")
+    return files
+
+
+def _load_legacy(files: dict, dtype: torch.dtype, policy: FilePolicy):
+    """(this rank's GPTModel stage holding its legacy shard, args)."""
+    from megatron.core import parallel_state as ps
+
     rank = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
             ps.get_expert_model_parallel_rank())
     shard = load_shard(files[rank])
