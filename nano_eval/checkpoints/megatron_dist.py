@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -241,22 +242,27 @@ def _reason(error: BaseException) -> str:
     return f"{type(error).__name__}: {(str(error) or repr(error)).strip().splitlines()[-1][:300]}"
 
 
-def read_dist_checkpoint(iter_dir: str | Path, overrides: Mapping | None = None,
-                         policy: FilePolicy = FilePolicy()) -> tuple[dict, dict]:
-    """({Megatron name: full tensor} as one TP1/PP1 GPTModel's state dict, args) of a torch_dist checkpoint.
+@dataclass(frozen=True)
+class DistCheckpoint:
+    """A torch_dist iteration folder, read and checked: its folder, common.pt, index and args (overrides applied),
+    and the bytes of the .distcp files its index uses."""
 
-    overrides: Megatron argument names/values that replace the pickled args (e.g. for an old checkpoint)."""
-    from megatron.core import dist_checkpointing
-    from torch.distributed.checkpoint.api import CheckpointException
+    folder: Folder
+    common: dict
+    metadata: object
+    args: dict
+    data_bytes: int
 
+
+def open_dist_checkpoint(iter_dir: str | Path, policy: FilePolicy = FilePolicy(),
+                         overrides: Mapping | None = None) -> DistCheckpoint:
+    """Read common.pt and .metadata with nano_eval's readers and check the index and metadata.json (nothing is
+    built or allocated for the model yet)."""
     folder = Folder(iter_dir, policy).check()
     common = read_common(folder.root, policy)
     metadata = read_metadata_safely(folder.root, policy)
     args = {**args_dict(common.get("args")), **dict(overrides or {})}
-    hf_config_from_args(args, vocab_size=args.get("padded_vocab_size") or 1)  # refuses non-Llama args early
     data_files = {info.relative_path for info in metadata.storage_data.values()}
-    disk = sum(folder.file(name).stat().st_size for name in data_files)
-    check_model_size(args, folder.root / COMMON, disk_bytes=disk, policy=policy)
     if folder.has("metadata.json"):
         saved = folder.read_json("metadata.json", CONFIG_BYTES)
         backend = saved.get("sharded_backend") if isinstance(saved, dict) else None
@@ -264,23 +270,46 @@ def read_dist_checkpoint(iter_dir: str | Path, overrides: Mapping | None = None,
             raise CheckpointFileError(folder.root / "metadata.json", f"says the checkpoint's format is "
                                       f"{backend!r:.40}, not torch_dist (the only distributed format nano_eval reads)",
                                       "convert the checkpoint to torch_dist or legacy, or copy it again")
+    return DistCheckpoint(folder, common, metadata, args, sum(folder.file(n).stat().st_size for n in data_files))
 
-    with single_stage_parallel_state(), _checked_reader(folder, metadata, folder.root / INDEX):
-        model = build_gpt_model({**LLAMA_STYLE, **args}, tp=1, pp=1, ep=1)  # the converter's Llama defaults
-        sharded = _model_only(model.sharded_state_dict(metadata=common.get(CONTENT_METADATA)))
-        _check_requested(sharded, metadata, folder.root / INDEX)
+
+def load_sharded(model, ckpt: DistCheckpoint, fix: str) -> dict:
+    """megatron-core's dist_checkpointing.load of the model's sharded state dict (weights only) through the checked
+    reader: {name: tensor} for this rank's share, resharded from whatever layout the checkpoint was saved in."""
+    from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    index = ckpt.folder.root / INDEX
+    sharded = _model_only(model.sharded_state_dict(metadata=ckpt.common.get(CONTENT_METADATA)))
+    _check_requested(sharded, ckpt.metadata, index)
+    with _checked_reader(ckpt.folder, ckpt.metadata, index):
         try:
-            loaded = dist_checkpointing.load(sharded, str(folder.root), common_strategy=_AlreadyReadCommon())
+            loaded = dist_checkpointing.load(sharded, str(ckpt.folder.root), common_strategy=_AlreadyReadCommon())
         except CheckpointFileError:
             raise
         except (Exception, CheckpointException) as e:  # torch's CheckpointException is a BaseException
             inner = _inner(e)
             if isinstance(inner, CheckpointFileError):
                 raise inner from e
-            raise NanoEvalError(f"{iter_dir}: megatron-core could not load it into a GPTModel built from its args "
-                                f"({_reason(e)}). Fix: check that it is a Llama-style GPT checkpoint; pass "
-                                "megatron_args=... if its args are wrong.") from e
-    return {k: v for k, v in loaded.items() if isinstance(v, torch.Tensor)}, args
+            raise NanoEvalError(f"{ckpt.folder.given}: megatron-core could not load it into the GPTModel its args "
+                                f"describe ({_reason(e)}). Fix: {fix}") from e
+    return {k: v for k, v in loaded.items() if isinstance(v, torch.Tensor)}
+
+
+def read_dist_checkpoint(iter_dir: str | Path, overrides: Mapping | None = None,
+                         policy: FilePolicy = FilePolicy()) -> tuple[dict, dict]:
+    """({Megatron name: full tensor} as one TP1/PP1 GPTModel's state dict, args) of a torch_dist checkpoint.
+
+    overrides: Megatron argument names/values that replace the pickled args (e.g. for an old checkpoint)."""
+    ckpt = open_dist_checkpoint(iter_dir, policy, overrides)
+    args = ckpt.args
+    hf_config_from_args(args, vocab_size=args.get("padded_vocab_size") or 1)  # refuses non-Llama args early
+    check_model_size(args, ckpt.folder.root / COMMON, disk_bytes=ckpt.data_bytes, policy=policy)
+    with single_stage_parallel_state():
+        model = build_gpt_model({**LLAMA_STYLE, **args}, tp=1, pp=1, ep=1)  # the converter's Llama defaults
+        loaded = load_sharded(model, ckpt, "check that it is a Llama-style GPT checkpoint; pass megatron_args=... "
+                                           "if its args are wrong.")
+    return loaded, args
 
 
 def _AlreadyReadCommon():  # noqa: N802 -- stands for a class megatron-core defines

@@ -23,9 +23,7 @@ import torch.distributed as dist
 
 from nano_eval.checkpoints.files import load_tokenizer
 from nano_eval.checkpoints.megatron_args import args_dict, check_model_size, load_shard
-from nano_eval.checkpoints.megatron_dist import (COMMON, CONTENT_METADATA, INDEX, _AlreadyReadCommon, _check_requested,
-                                                 _checked_reader, _inner, _model_only, _reason, is_dist_checkpoint,
-                                                 read_common, read_metadata_safely)
+from nano_eval.checkpoints.megatron_dist import COMMON, is_dist_checkpoint, load_sharded, open_dist_checkpoint
 from nano_eval.checkpoints.megatron_legacy import SHARD_DIR, resolve_iteration_dir, shard_files
 from nano_eval.checkpoints.megatron_model import build_gpt_model
 from nano_eval.checkpoints.untrusted import CheckpointFileError, FilePolicy, Folder
@@ -69,34 +67,15 @@ def load_native(checkpoint: str, tokenizer: str | None, *, tp: int, pp: int, ep:
 
 def _load_dist(iter_dir: Path, model_parallel: int, dtype: torch.dtype, policy: FilePolicy):
     """(this rank's GPTModel stage holding its share of a torch_dist checkpoint, args)."""
-    from megatron.core import dist_checkpointing
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    folder = Folder(iter_dir, policy)
-    common = read_common(iter_dir, policy)
-    metadata = read_metadata_safely(iter_dir, policy)
-    args = args_dict(common.get("args"))
-    disk = sum(folder.file(name).stat().st_size for name in {i.relative_path for i in metadata.storage_data.values()})
-    check_model_size(args, folder.root / COMMON, disk_bytes=disk,
-                     policy=FilePolicy(allow_symlinks_outside=policy.allow_symlinks_outside,
-                                       max_bytes=policy.byte_limit() * model_parallel))  # each rank holds a share
-    model = build_gpt_model(args, dtype=dtype)
-    sharded = _model_only(model.sharded_state_dict(metadata=common.get(CONTENT_METADATA)))
-    _check_requested(sharded, metadata, folder.root / INDEX)
-    with _checked_reader(folder, metadata, folder.root / INDEX):
-        try:
-            loaded = dist_checkpointing.load(sharded, str(folder.root), common_strategy=_AlreadyReadCommon())
-        except CheckpointFileError:
-            raise
-        except (Exception, CheckpointException) as e:  # torch's CheckpointException is a BaseException
-            inner = _inner(e)
-            if isinstance(inner, CheckpointFileError):
-                raise inner from e
-            raise NanoEvalError(f"{iter_dir}: megatron-core could not load it into the GPTModel its args describe "
-                                f"({_reason(e)}). Fix: check --tp / --pp / --ep against the model (heads, query "
-                                "groups and experts must divide), or pass the run's own args.") from e
+    ckpt = open_dist_checkpoint(iter_dir, policy)
+    share = FilePolicy(allow_symlinks_outside=policy.allow_symlinks_outside,
+                       max_bytes=policy.byte_limit() * model_parallel)  # each rank holds about 1 / (tp x pp)
+    check_model_size(ckpt.args, ckpt.folder.root / COMMON, disk_bytes=ckpt.data_bytes, policy=share)
+    model = build_gpt_model(ckpt.args, dtype=dtype)
+    loaded = load_sharded(model, ckpt, "check --tp / --pp / --ep against the model (heads, query groups and "
+                                       "experts must divide), or pass the run's own args.")
     _fill(model, loaded, iter_dir)
-    return model, args
+    return model, ckpt.args
 
 
 def _legacy_files(iter_dir: Path, layout: tuple[int, int, int], policy: FilePolicy) -> dict:
