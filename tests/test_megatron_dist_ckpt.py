@@ -137,7 +137,7 @@ def test_wrong_args_are_refused_with_a_fix(saved):
 
     with pytest.raises(NanoEvalError, match="not a Llama-style"):
         load_megatron_llama_as_hf(saved["dist"] / ITER, megatron_args={"swiglu": False})
-    with pytest.raises(NanoEvalError, match="could not load it into a GPTModel.*megatron_args"):
+    with pytest.raises(NanoEvalError, match="could not load it into the GPTModel.*megatron_args"):
         load_megatron_llama_as_hf(saved["dist"] / ITER, megatron_args={"num_query_groups": 4})
     assert not dist.is_initialized() and not ps.model_parallel_is_initialized()
 
