@@ -34,3 +34,22 @@ def megatron_world(toy_checkpoint, tmp_path_factory):
     root = tmp_path_factory.mktemp("megatron_world")
     ranks = run_distributed(all_layouts, 4, str(toy_checkpoint), str(root), str(root / "wandb"), timeout=900)
     return {"root": root, "ranks": ranks}
+
+
+@pytest.fixture(scope="session")
+def genuine_checkpoints(toy_checkpoint, tmp_path_factory):
+    """{kind: path} of one genuine checkpoint of every kind nano_eval reads (tests/genuine_checkpoints.py), written
+    by the frameworks' own save functions in a separate process (the CPU test doubles stay out of this one)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'nano_eval[megatron]')")
+    pytest.importorskip("nanotron", reason="nanotron is not installed (pip install 'nano_eval[nanotron]')")
+    root = tmp_path_factory.mktemp("genuine")
+    done = subprocess.run([sys.executable, "-W", "ignore", "-m", "tests.genuine_checkpoints", str(root),
+                           str(toy_checkpoint)], capture_output=True, text=True, timeout=600,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {kind: Path(path) for kind, path in json.loads(done.stdout.strip().splitlines()[-1]).items()}

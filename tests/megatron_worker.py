@@ -129,9 +129,31 @@ def all_layouts(rank, world, tokenizer_dir, root, wandb_dir):
         seconds[name], start = time.perf_counter() - start, time.perf_counter()
     out["loaded"] = load_in_world(root / "tp2")
     seconds["load"], start = time.perf_counter() - start, time.perf_counter()
+    out["native"] = native_scores(tokenizer_dir, root)
+    seconds["native"], start = time.perf_counter() - start, time.perf_counter()
     out["training"] = training_checks(tokenizer_dir, root / "hook", wandb_dir)
     seconds["training"] = time.perf_counter() - start
     out["seconds"] = seconds
+    return out
+
+
+# saved checkpoint (under the world's root) -> the layout `--backend megatron` loads it in: (tp, pp)
+NATIVE = {"torch_dist tp2 -> tp1": ("tp2", 1, 1), "torch_dist pp2 -> tp2": ("pp2", 2, 1),
+          "torch_dist tp2 -> pp2": ("tp2", 1, 2), "legacy tp2 -> tp2": ("legacy", 2, 1)}
+
+
+def native_scores(tokenizer_dir, root: Path) -> dict:
+    """`run.py --backend megatron` on the world's saves: nano_eval builds megatron-core's GPTModel from each
+    checkpoint's args in another layout and loads it (torch_dist resharded by megatron-core), then scores TASKS."""
+    from nano_eval.checkpoints.megatron_native import load_native
+    from tests.nanotron_worker import summarize
+
+    out = {}
+    for name, (saved, tp, pp) in NATIVE.items():
+        backend = load_native(str(root / saved), str(tokenizer_dir), tp=tp, pp=pp, ep=1, dtype="float32",
+                              max_length=None, device="cpu")
+        out[name] = {"layout": backend.layout.describe(),
+                     "scores": summarize(backend, TASKS, BATCH_TOKENS, MAX_SAMPLES)}
     return out
 
 
@@ -321,7 +343,7 @@ def gpt_model_from_args(args):
     rank's TP shard and PP stage, holding the seed-0 weights (with tied embeddings, lm_head is not used)."""
     from megatron.core import parallel_state as ps
 
-    from nano_eval.checkpoints.megatron_dist import build_gpt_model
+    from nano_eval.checkpoints.megatron_model import build_gpt_model
     from tests.megatron_gpt import GPTConfig, logical_weights, megatron_shard
 
     cfg = GPTConfig()

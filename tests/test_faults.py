@@ -154,8 +154,8 @@ def _broken_copy(toy_checkpoint, tmp_path, how: str) -> Path:
 
 @pytest.mark.parametrize("how, expected", [
     ("truncated", "model.safetensors is truncated or corrupt"),
-    ("config", "config.json is not valid JSON (line 2 column"),
-    ("tokenizer", "no tokenizer in"),
+    ("config", "config.json: is not valid JSON (line 2 column"),
+    ("tokenizer", "holds no tokenizer"),
 ])
 def test_broken_checkpoint_files_end_in_one_line(toy_checkpoint, tmp_path, capsys, how, expected):
     ckpt = _broken_copy(toy_checkpoint, tmp_path, how)
@@ -227,7 +227,7 @@ def test_broken_checkpoint_in_a_sweep_is_recorded_and_skipped(broken_run, tmp_pa
     rows = read_table(out)
     assert sorted({r["step"] for r in rows if not r["error"]}) == [1, 3]  # lost nothing
     [failed] = [r for r in rows if r["error"]]
-    assert failed["step"] == 2 and "config.json is not valid JSON" in failed["error"]
+    assert failed["step"] == 2 and "config.json: is not valid JSON" in failed["error"]
     assert 'data-failed="1"' in (out / "report" / "index.html").read_text()
     # Another sweep into the same folder with other settings is refused, naming them.
     assert run_main(_sweep(broken_run, out, "--max-samples", "3")) == 2

@@ -80,32 +80,24 @@ def test_megatron_pickles_are_refused(tmp_path, sentinel, kind):
                 (iter_dir / "mp_rank_00").mkdir(parents=True)
                 (iter_dir / "mp_rank_00" / "model_optim_rng.pt").write_bytes(torch_zip(checkpoint_pickle(p, how)))
                 load = lambda: load_megatron_llama_as_hf(iter_dir)  # noqa: E731
-            with pytest.raises(NanoEvalError, match="cannot be loaded safely"):
+            with pytest.raises(NanoEvalError, match="refused to load"):
                 load()
             assert not sentinel.exists(), f"{p.name} ({how}) ran"
 
 
-def _chain(exc):
-    while exc is not None:
-        yield exc
-        exc = exc.__cause__ or exc.__context__
-
-
 def test_transformers_bin_is_refused(tmp_path, sentinel, toy_checkpoint):
+    """pytorch_model.bin goes through nano_eval's reader too: transformers never unpickles it."""
     import shutil
 
     from nano_eval.checkpoints.hf import load_transformers
 
-    for i, p in enumerate(payloads(sentinel)[:12]):  # the attribute chains go through the same torch.load
+    for i, p in enumerate(payloads(sentinel)):
         ckpt = tmp_path / str(i)
         shutil.copytree(toy_checkpoint, ckpt)
         (ckpt / "model.safetensors").unlink()
         (ckpt / "pytorch_model.bin").write_bytes(torch_zip(checkpoint_pickle(p, "dict")))
-        with pytest.raises(Exception) as raised:
+        with pytest.raises(NanoEvalError, match="pytorch_model.bin: refused to load"):
             load_transformers(str(ckpt))
-        # transformers >= 5 raises torch's own error; 4.56 wraps it in an OSError (the cause keeps torch's words)
-        said = " ".join(str(e) for e in _chain(raised.value))
-        assert "weights_only" in said or "Weights only load failed" in said, p.name
         assert not sentinel.exists(), f"{p.name} ran"
 
 
@@ -141,9 +133,10 @@ def test_a_genuine_index_still_loads(tmp_path):
         state_dict_metadata={"w": TensorStorageMetadata(
             properties=TensorProperties(dtype=torch.bfloat16), size=torch.Size([4, 2]),
             chunks=[ChunkStorageMetadata(offsets=torch.Size([0, 0]), sizes=torch.Size([4, 2]))])},
-        storage_data={MetadataIndex("w", torch.Size([0, 0])): _StorageInfo(tmp_path / "__0_0.distcp", 0, 64)},
+        storage_data={MetadataIndex("w", torch.Size([0, 0])): _StorageInfo("__0_0.distcp", 0, 64)},
         storage_meta=StorageMeta(checkpoint_id=tmp_path))
     iter_dir = _dist_checkpoint(tmp_path, pickle.dumps(md))
+    (iter_dir / "__0_0.distcp").write_bytes(bytes(64))
     loaded = read_metadata_safely(iter_dir)
     assert loaded.state_dict_metadata["w"].properties.dtype == torch.bfloat16
     assert loaded.state_dict_metadata["w"].size == torch.Size([4, 2])

@@ -102,7 +102,7 @@ def test_unsafe_or_incomplete_checkpoints_are_refused(saved, tmp_path):
     shutil.copytree(saved["dist"] / ITER, unsafe)
     marker = tmp_path / "pwned"
     (unsafe / ".metadata").write_bytes(pickle.dumps(_Touch(marker)))
-    with pytest.raises(NanoEvalError, match="not allowed in a checkpoint index"):
+    with pytest.raises(NanoEvalError, match="not allowed in a checkpoint"):
         load_megatron_llama_as_hf(unsafe)
     assert not marker.exists()
 
@@ -137,7 +137,7 @@ def test_wrong_args_are_refused_with_a_fix(saved):
 
     with pytest.raises(NanoEvalError, match="not a Llama-style"):
         load_megatron_llama_as_hf(saved["dist"] / ITER, megatron_args={"swiglu": False})
-    with pytest.raises(NanoEvalError, match="could not load it into a GPTModel.*megatron_args"):
+    with pytest.raises(NanoEvalError, match="could not load it into the GPTModel.*megatron_args"):
         load_megatron_llama_as_hf(saved["dist"] / ITER, megatron_args={"num_query_groups": 4})
     assert not dist.is_initialized() and not ps.model_parallel_is_initialized()
 
@@ -171,3 +171,27 @@ def test_other_layouts_convert_exactly(tmp_path, tp, pp, untie):
         expected["lm_head.weight"] = expected["model.embed_tokens.weight"]
     for name, tensor in expected.items():
         assert torch.equal(state[name], tensor), name
+
+
+@pytest.mark.parametrize("name", ["torch_dist tp2 -> tp1", "torch_dist pp2 -> tp2", "torch_dist tp2 -> pp2",
+                                  "legacy tp2 -> tp2"])
+def test_native_backend_scores_a_checkpoint_in_another_layout_like_the_live_model(megatron_world, name):
+    """`--backend megatron --tp T --pp P`: megatron-core's GPTModel built from the checkpoint's args in the world of
+    4 (dp = 4 / (tp x pp)) scores exactly like the live tp2 model that was saved."""
+    from tests.megatron_worker import NATIVE
+
+    ranks = megatron_world["ranks"]
+    live = ranks[0]["tp2"]["scores"]
+    _, tp, pp = NATIVE[name]
+    for rank in ranks:
+        got = rank["native"][name]
+        assert got["layout"] == {"world_size": 4, "dp": 4 // (tp * pp), "tp": tp, "pp": pp}
+        assert_same_scores(live, got["scores"], name)
+
+
+def test_native_backend_refuses_a_legacy_checkpoint_in_another_layout(megatron_world, toy_checkpoint):
+    from nano_eval.checkpoints.megatron_native import load_native
+
+    with pytest.raises(NanoEvalError, match="loads only in that layout.*--tp 2 --pp 1 --ep 1"):
+        load_native(str(megatron_world["root"] / "legacy"), str(toy_checkpoint), tp=1, pp=1, ep=1,
+                    dtype="float32", max_length=None, device="cpu")

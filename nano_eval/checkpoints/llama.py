@@ -5,19 +5,35 @@ from __future__ import annotations
 
 import torch
 
+from nano_eval.checkpoints.untrusted import FilePolicy
 from nano_eval.errors import NanoEvalError
 
 
-def llama_from_state_dict(config, state: dict[str, torch.Tensor], where: str):
+def llama_from_state_dict(config, state: dict[str, torch.Tensor], where: str, policy: FilePolicy = FilePolicy()):
     """LlamaForCausalLM(config) holding `state` exactly: every weight present (lm_head may be the tied embedding),
-    nothing left over; otherwise a NanoEvalError naming `where` and what does not fit."""
+    nothing left over, every shape as the config says; otherwise a NanoEvalError naming `where` and what does not
+    fit. The shapes are compared on a meta-device model first, so a config that declares a larger model than its
+    weights is refused before anything is allocated."""
     from transformers import LlamaForCausalLM
 
+    try:
+        with torch.device("meta"):
+            expected = {k: v.shape for k, v in LlamaForCausalLM(config).state_dict().items()}
+    except (RuntimeError, ValueError, TypeError, OverflowError, AttributeError) as e:
+        raise NanoEvalError(f"{where}: its configuration describes no Llama transformers can build "
+                            f"({type(e).__name__}: {' '.join(str(e).split())[:200]}). Fix: restore the configuration "
+                            "from the run that saved the checkpoint.") from e
+    missing = [k for k in expected if k not in state and not (config.tie_word_embeddings and k == "lm_head.weight")]
+    unexpected = [k for k in state if k not in expected]
+    wrong = [f"{k} {tuple(state[k].shape)} (config: {tuple(v)})" for k, v in expected.items()
+             if k in state and state[k].shape != v]
+    if missing or unexpected or wrong:
+        raise NanoEvalError(f"{where}: weights do not fit a Llama (missing {missing[:5]}, unexpected "
+                            f"{unexpected[:5]}, wrong shapes {wrong[:3]}). Fix: check that the checkpoint's "
+                            "configuration matches its weights (copy it again if it was edited).")
+    policy.check_allocation(sum(v.numel() for v in expected.values()) * 4, where, "the model")
     model = LlamaForCausalLM(config)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [m for m in missing if not (config.tie_word_embeddings and m == "lm_head.weight")]
-    if missing or unexpected:
-        raise NanoEvalError(f"{where}: weights do not fit a Llama (missing {missing}, unexpected {unexpected}).")
+    model.load_state_dict(state, strict=False)
     if config.tie_word_embeddings:
         model.tie_weights()
     return model.eval()
@@ -31,3 +47,25 @@ def interleaved_to_half_rotary(w: torch.Tensor, heads: int) -> torch.Tensor:
     Per head, rows [r0, r1, r2, r3, ...] become [r0, r2, ..., r1, r3, ...]. w: [heads * head_dim, in_features]."""
     d = w.shape[0] // heads
     return w.view(heads, d // 2, 2, -1).transpose(1, 2).reshape(w.shape)
+
+
+def check_config_size(config, weight_bytes: int, where: str, policy: FilePolicy = FilePolicy()) -> int:
+    """Refuse a model config that declares more parameters than its weight files have bytes (a parameter takes at
+    least one byte on disk; tied embeddings counted once), or more than the allocation limit. The parameters are
+    counted on a meta-device model: nothing is allocated. Returns the count."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except (RuntimeError, ValueError, TypeError, OverflowError, AttributeError, KeyError) as e:
+        raise NanoEvalError(f"{where}: its configuration describes no model transformers can build "
+                            f"({type(e).__name__}: {' '.join(str(e).split())[:200]}). Fix: restore the configuration "
+                            "from the run that saved the checkpoint.") from e
+    params = sum(p.numel() for p in model.parameters())
+    if params > weight_bytes + (1 << 20):
+        raise NanoEvalError(f"{where}: its configuration declares {params:,} parameters but its weight files hold "
+                            f"only {weight_bytes:,} bytes. Fix: restore the configuration that matches the weights, "
+                            "or copy the checkpoint again.")
+    policy.check_allocation(params * 4, where, f"a model of {params:,} parameters")
+    return params

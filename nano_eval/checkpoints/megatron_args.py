@@ -1,5 +1,6 @@
 """The one leaf every Megatron checkpoint reader shares: safe loading of a pickled shard, Megatron's training
-arguments as a dict, and the transformers LlamaConfig they describe."""
+arguments as a dict, the size of the model they describe (checked before anything is built), and the transformers
+LlamaConfig they describe."""
 
 from __future__ import annotations
 
@@ -7,46 +8,19 @@ from argparse import Namespace
 from collections.abc import Mapping
 from pathlib import Path
 
-import torch
-
+from nano_eval.checkpoints.pickles import MEGATRON, load_torch
+from nano_eval.checkpoints.untrusted import CheckpointFileError
 from nano_eval.errors import NanoEvalError
 
 
-def _safe_globals() -> list:
-    """What a legacy checkpoint pickles besides tensors: Megatron's args (argparse.Namespace, with a few enums and
-    paths), and numpy arrays in the RNG state. With megatron-core installed, its own allow-list (the classes
-    Megatron itself loads with weights_only=True); never weights_only=False."""
-    import pathlib
-    import types
-
-    allowed = [Namespace, types.SimpleNamespace, pathlib.PosixPath]
-    try:
-        import numpy as np
-
-        allowed += [np.ndarray, np.dtype, np.dtypes.UInt32DType, np.core.multiarray._reconstruct]
-    except (ImportError, AttributeError):
-        pass
-    try:
-        from megatron.core.safe_globals import SAFE_GLOBALS
-
-        allowed += [g for g in SAFE_GLOBALS if g not in allowed]
-    except ImportError:
-        pass
-    return allowed
-
-
 def load_shard(path: Path) -> dict:
-    """One `model_optim_rng.pt`, loaded with weights_only=True and a minimal allow-list of globals."""
-    import pickle
-
-    try:
-        with torch.serialization.safe_globals(_safe_globals()):
-            return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        raise NanoEvalError(
-            f"{path}: cannot be loaded safely (weights_only=True): {str(e).splitlines()[0]} Fix: install "
-            "megatron-core (its enums are in the allow-list) or save with --no-save-optim --no-save-rng."
-        ) from e
+    """One torch.save'd Megatron file (`model_optim_rng.pt`, `common.pt`) as read by nano_eval's own reader
+    (checkpoints/pickles.py: nothing in it is imported or run; enums, numpy RNG state and paths stay opaque)."""
+    loaded = load_torch(path, MEGATRON)
+    if not isinstance(loaded, dict):
+        raise CheckpointFileError(path, f"holds a {type(loaded).__name__}, not the dict Megatron saves",
+                                  "point at a Megatron iter_XXXXXXX folder")
+    return loaded
 
 
 def args_dict(args) -> dict:
@@ -80,3 +54,51 @@ def hf_config_from_args(args: Mapping, vocab_size: int):
         )
     except KeyError as e:
         raise NanoEvalError(f"the checkpoint's args lack {e}. Fix: pass megatron_args=... (Megatron's names).") from e
+
+
+_SIZES = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "padded_vocab_size")
+_OPTIONAL_SIZES = ("num_query_groups", "kv_channels", "num_moe_experts", "moe_ffn_hidden_size",
+                   "moe_shared_expert_intermediate_size", "max_position_embeddings", "seq_length")
+_LIMIT = 1 << 40
+
+
+def model_parameters(args: Mapping, where: str | Path) -> int:
+    """An upper bound of the parameters of the GPTModel `args` describe (dense or MoE: every layer counted with the
+    larger of its MLPs), from the sizes alone, so that a hostile `padded_vocab_size` is refused before anything is
+    allocated. Each size must be a positive integer."""
+    def size(name: str, required: bool = True) -> int:
+        value = args.get(name)
+        if value is None and not required:
+            return 0
+        if type(value) is not int or not 0 < value < _LIMIT:
+            raise CheckpointFileError(where, f"the checkpoint's args say {name}={value!r:.60}, not a positive "
+                                      "integer size", "pass the right value with megatron_args=..., or copy the "
+                                      "checkpoint again")
+        return value
+
+    h, layers, heads, vocab, ffn = (size(n) for n in ("hidden_size", "num_layers", "num_attention_heads",
+                                                      "padded_vocab_size", "ffn_hidden_size"))
+    groups = size("num_query_groups", False) or heads
+    d = size("kv_channels", False) or max(1, h // heads)
+    experts, moe_ffn, shared = (size(n, False) for n in ("num_moe_experts", "moe_ffn_hidden_size",
+                                                          "moe_shared_expert_intermediate_size"))
+    positions = max(size("max_position_embeddings", False), size("seq_length", False))
+    attention = h * (heads + 2 * groups) * d + heads * d * h + 2 * h + 2 * d
+    dense = 3 * h * ffn
+    moe = experts * (3 * h * (moe_ffn or ffn) + h) + 3 * h * shared
+    learned = positions * h if args.get("position_embedding_type") == "learned_absolute" else 0
+    return vocab * h * 2 + layers * (attention + max(dense, moe)) + h + learned
+
+
+def check_model_size(args: Mapping, where: str | Path, *, disk_bytes: int, policy) -> int:
+    """Refuse a model that `args` make larger than the checkpoint's files (a parameter takes at least one byte on
+    disk) or than the policy's allocation limit; returns the parameter bound."""
+    import torch
+
+    params = model_parameters(args, where)
+    dtype = args.get("params_dtype") if isinstance(args.get("params_dtype"), torch.dtype) else torch.float32
+    if params > 2 * disk_bytes + (1 << 20):  # untied output layer counted even when tied: a factor of 2 of slack
+        raise CheckpointFileError(where, f"the checkpoint's args describe a model of {params:,} parameters but its "
+                                  f"files hold only {disk_bytes:,} bytes")
+    policy.check_allocation(params * max(4, dtype.itemsize), where, f"a model of {params:,} parameters")
+    return params

@@ -1,4 +1,5 @@
-"""Read a Megatron torch_dist (distributed) checkpoint into one TP1 state dict, with megatron-core's own loader.
+"""Read a Megatron torch_dist (distributed) checkpoint into one TP1 state dict, with megatron-core's own loader
+and nano_eval's own file reader.
 
 torch_dist is current Megatron-LM's default format: `iter_0001000/` holds `*.distcp` (tensor data), `.metadata`
 (torch.distributed.checkpoint's index), `common.pt` (args, iteration, the non-sharded state) and `metadata.json`.
@@ -8,166 +9,196 @@ build a real GPTModel (local layer spec, CPU, TP1/PP1) from the checkpoint's own
 `dist_checkpointing.load` reshard whatever TP x PP it was saved with into it. The result has the names and layout
 of an `mp_rank_00` legacy checkpoint, so megatron_legacy.py converts it the same way.
 
-Safety: `common.pt` is read with torch.load(weights_only=True) and megatron_args's allow-list. `.metadata` is a
-plain pickle that torch.distributed.checkpoint would read with pickle.load; we read its bytes once, unpickle them
-with an exact allow-list (torch.distributed.checkpoint's metadata classes, torch sizes / dtypes, paths) and hand
-the resulting object to the loader, so no unchecked unpickling of that file ever happens.
+Safety (the checkpoint is untrusted; see untrusted.py and pickles.py):
+- `.metadata` and `common.pt` are read by nano_eval's own unpickler; the index is then checked whole
+  (`check_index`): every storage entry names a bare `.distcp` file of the folder with its byte range inside it,
+  every tensor entry has plain sizes whose chunks fit their bytes.
+- The model's size is computed from the args and refused when larger than the files or the allocation limit,
+  before megatron-core builds anything.
+- torch.distributed.checkpoint's own reader would `torch.load(..., weights_only=False)` any entry the index calls
+  bytes, even where the model asks for a tensor. megatron-core is handed `CheckedReader` instead: it serves the
+  validated index and reads only tensor chunks, each with nano_eval's torch.save reader; a bytes entry is refused.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
-import io
-import pickle
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from nano_eval.checkpoints.megatron_args import args_dict, hf_config_from_args, load_shard
+from nano_eval.checkpoints.megatron_args import LLAMA_STYLE, args_dict, check_model_size, hf_config_from_args, load_shard
+from nano_eval.checkpoints.megatron_model import build_gpt_model
+from nano_eval.checkpoints.pickles import TENSORS, dcp_index, load_torch, unpickle
+from nano_eval.checkpoints.untrusted import CONFIG_BYTES, CheckpointFileError, FilePolicy, Folder
 from nano_eval.errors import NanoEvalError
 
 COMMON = "common.pt"
+INDEX = ".metadata"
 CONTENT_METADATA = "content_metadata"  # where dist_checkpointing.save(content_metadata=...) puts it in common.pt
-_DCP = "torch.distributed.checkpoint.metadata"
-# Every global a torch_dist `.metadata` may name, as (the object's own __module__, its __qualname__). Each is a
-# data class, an enum, a container or a plain look-up: calling it with any arguments builds data and nothing else.
-METADATA_GLOBALS = frozenset({
-    (_DCP, "Metadata"), (_DCP, "TensorStorageMetadata"), (_DCP, "BytesStorageMetadata"),
-    (_DCP, "ChunkStorageMetadata"), (_DCP, "TensorProperties"), (_DCP, "MetadataIndex"), (_DCP, "StorageMeta"),
-    (_DCP, "_MEM_FORMAT_ENCODING"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch.serialization", "_get_layout"),  # layout name -> torch.layout, a dict look-up
-    ("torch", "Size"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("collections", "OrderedDict"),
-    ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice"),
-})
-_TORCH_CONSTANTS = (torch.dtype, torch.layout, torch.memory_format)  # torch.float32 & co: values, not callables
+INDEX_BYTES = 1 << 30
 
 
 def is_dist_checkpoint(iter_dir: Path) -> bool:
     """Files of the whole model's tensors, sharded over ranks but named and numbered globally (not per rank)."""
-    return (iter_dir / ".metadata").is_file() or any(iter_dir.glob("*.distcp"))
+    return (iter_dir / INDEX).is_file() or any(iter_dir.glob("*.distcp"))
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """Resolves only the globals of METADATA_GLOBALS and torch's dtype / layout / memory-format constants.
-
-    A name is looked up as one attribute of its module (no dotted paths such as `os.system` under an allowed
-    module), the module is imported only once the pair is known to be allowed, and the object found must itself
-    be defined under that very name (its __module__ / __qualname__), so an alias cannot smuggle anything in."""
-
-    def find_class(self, module: str, name: str):
-        allowed = (module, name) in METADATA_GLOBALS
-        if not allowed and not (module == "torch" and isinstance(getattr(torch, name, None), _TORCH_CONSTANTS)):
-            raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint index")
-        found = getattr(importlib.import_module(module), name)
-        if allowed and (found.__module__, found.__qualname__) != (module, name):
-            raise pickle.UnpicklingError(f"{module}.{name} resolves to {found.__module__}.{found.__qualname__}")
-        return found
-
-    def persistent_load(self, pid):
-        raise pickle.UnpicklingError("persistent ids are not allowed in a checkpoint index")
-
-
-def read_metadata_safely(iter_dir: Path):
-    """The torch.distributed.checkpoint `Metadata` of `.metadata`, unpickled with the allow-list above.
-
-    torch.distributed.checkpoint itself would unpickle the file unchecked; `_checked_index` hands it this object
-    instead, so the bytes that were checked are the only bytes ever unpickled."""
-    path = iter_dir / ".metadata"
-    if not path.is_file():
-        raise NanoEvalError(f"{iter_dir}: *.distcp files but no .metadata. Fix: finish copying the checkpoint.")
-    data = path.read_bytes()
-    try:
-        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
-    except Exception as e:  # noqa: BLE001 - any failure to read it means: not loadable, and nothing ran
-        raise NanoEvalError(f"{path}: refused to load ({type(e).__name__}: {e}); a torch_dist index holds only "
-                            "torch.distributed.checkpoint metadata. Fix: re-save the checkpoint with Megatron, "
-                            "or copy it again from a source you trust.") from e
+def read_metadata_safely(iter_dir: Path, policy: FilePolicy = FilePolicy()):
+    """The torch.distributed.checkpoint `Metadata` of `.metadata`, unpickled by nano_eval's own unpickler (only
+    the index's dataclasses and plain values), then checked whole (`check_index`)."""
     from torch.distributed.checkpoint.metadata import Metadata
 
+    folder = Folder(iter_dir, policy)
+    if not folder.has(INDEX):
+        raise CheckpointFileError(iter_dir, "has *.distcp files but no .metadata", "finish copying the checkpoint")
+    path = folder.root / INDEX
+    metadata = unpickle(folder.read_bytes(INDEX, INDEX_BYTES), dcp_index(), path)
     if type(metadata) is not Metadata:
-        raise NanoEvalError(f"{path}: holds a {type(metadata).__name__}, not torch.distributed.checkpoint "
-                            "Metadata. Fix: point at a Megatron torch_dist iter_XXXXXXX folder.")
+        raise CheckpointFileError(path, f"holds a {type(metadata).__name__}, not torch.distributed.checkpoint "
+                                  "Metadata", "point at a Megatron torch_dist iter_XXXXXXX folder")
+    check_index(metadata, folder, path)
     return metadata
 
 
-@contextlib.contextmanager
-def _checked_index(metadata):
-    """Inside: megatron-core's torch_dist loader reads the index from `metadata` instead of unpickling the file."""
-    from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
+def check_index(metadata, folder: Folder, where: Path) -> int:
+    """Refuse an index that points outside its folder or past its files, or declares chunks larger than their
+    bytes; returns the bytes of the `.distcp` files it uses."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, MetadataIndex,
+                                                       TensorProperties, TensorStorageMetadata)
+
+    def bad(what: str) -> CheckpointFileError:
+        return CheckpointFileError(where, what)
+
+    if not isinstance(metadata.storage_data, dict) or not isinstance(metadata.state_dict_metadata, dict):
+        raise bad("has no storage table or no tensor table")
+    sizes: dict[str, int] = {}
+    for index, info in metadata.storage_data.items():
+        if type(index) is not MetadataIndex or type(info) is not _StorageInfo or not isinstance(index.fqn, str):
+            raise bad(f"has a storage entry of {type(index).__name__} -> {type(info).__name__}")
+        name = info.relative_path
+        if not (isinstance(name, str) and name.endswith(".distcp") and "/" not in name and "\\" not in name
+                and "\0" not in name and not name.startswith(".")):
+            raise bad(f"entry {index.fqn} points at {name!r:.100}, not a .distcp file of this folder")
+        if info.transform_descriptors:
+            raise bad(f"entry {index.fqn} is stored through transforms {info.transform_descriptors!r:.80} "
+                      "(compression / encryption) that nano_eval does not read")
+        if name not in sizes:
+            sizes[name] = folder.file(name).stat().st_size
+        if not (type(info.offset) is int and type(info.length) is int and 0 <= info.offset
+                and 0 <= info.length and info.offset + info.length <= sizes[name]):
+            raise bad(f"entry {index.fqn} declares bytes {info.offset!r:.30}+{info.length!r:.30} of {name}, "
+                      f"which holds {sizes[name]}")
+    for fqn, md in metadata.state_dict_metadata.items():
+        if not isinstance(fqn, str):
+            raise bad(f"has a tensor name of type {type(fqn).__name__}")
+        if type(md) is BytesStorageMetadata:
+            continue  # only read if the model asks for it, and then refused (CheckedReader)
+        if type(md) is not TensorStorageMetadata or type(md.properties) is not TensorProperties or not isinstance(
+                md.properties.dtype, torch.dtype) or not _is_size(md.size) or not isinstance(md.chunks, list):
+            raise bad(f"entry {fqn} is not a plain tensor description")
+        itemsize = torch.empty((), dtype=md.properties.dtype).element_size()
+        for chunk in md.chunks:
+            if type(chunk) is not ChunkStorageMetadata or not _is_size(chunk.offsets) or not _is_size(chunk.sizes) \
+                    or len(chunk.offsets) != len(md.size) or len(chunk.sizes) != len(md.size) \
+                    or any(o + n > s for o, n, s in zip(chunk.offsets, chunk.sizes, md.size)):
+                raise bad(f"entry {fqn} has a chunk outside its tensor of size {list(md.size)}")
+            info = metadata.storage_data.get(MetadataIndex(fqn, chunk.offsets))
+            if info is None:
+                raise bad(f"entry {fqn} has a chunk at {list(chunk.offsets)} with no storage entry")
+            if _numel(chunk.sizes) * itemsize > info.length:
+                raise bad(f"entry {fqn} declares a chunk of {_numel(chunk.sizes)} x {itemsize} bytes stored in "
+                          f"{info.length} bytes")
+    return sum(sizes.values())
+
+
+def _is_size(value) -> bool:
+    return isinstance(value, torch.Size) and all(type(x) is int and 0 <= x < (1 << 48) for x in value)
+
+
+def _numel(size) -> int:
+    n = 1
+    for s in size:
+        n *= s
+    return n
+
+
+def _reader_class(folder: Folder, metadata, index_path: Path):
+    """A torch.distributed.checkpoint FileSystemReader that serves the checked `metadata` and reads tensor chunks
+    with nano_eval's torch.save reader; a bytes entry (which DCP would unpickle unchecked) is refused."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
+    from torch.distributed.checkpoint.planner import LoadItemType
 
-    if not callable(getattr(torch_strategy, "_get_filesystem_reader", None)):
-        raise NanoEvalError("this megatron-core version reads torch_dist indexes in a way nano_eval cannot "
-                            "intercept, and torch would unpickle `.metadata` unchecked. Fix: use megatron-core "
-                            "0.16-0.19, or convert the checkpoint to the legacy format.")
-
-    class CheckedIndexReader(FileSystemReader):
+    class CheckedReader(FileSystemReader):
         def read_metadata(self, *args, **kwargs):
             if metadata.storage_meta is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
             return metadata
 
+        def read_data(self, plan, planner):
+            for item in plan.items:
+                fqn = item.storage_index.fqn
+                if item.type != LoadItemType.TENSOR:
+                    raise CheckpointFileError(index_path, f"the model's {fqn} is stored as pickled bytes, not a "
+                                              "tensor (loading it would run pickle on the file's bytes)")
+                info = metadata.storage_data[item.storage_index]
+                chunk = load_torch(folder.file(info.relative_path), TENSORS, offset=info.offset, length=info.length,
+                                   where=f"{folder.root / info.relative_path} (bytes {info.offset}+{info.length}, "
+                                         f"{fqn})")
+                if not isinstance(chunk, torch.Tensor):
+                    raise CheckpointFileError(folder.root / info.relative_path,
+                                              f"{fqn}'s chunk holds a {type(chunk).__name__}, not a tensor")
+                for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths)):
+                    chunk = chunk.narrow(dim, start, length)
+                target = planner.resolve_tensor(item).detach()
+                if target.size() != chunk.size():
+                    raise CheckpointFileError(folder.root / info.relative_path, f"{fqn}'s chunk is "
+                                              f"{list(chunk.size())}, the model expects {list(target.size())}")
+                target.copy_(chunk)
+                planner.commit_tensor(item, target)
+            done = torch.futures.Future()
+            done.set_result(None)
+            return done
+
+    return CheckedReader
+
+
+@contextlib.contextmanager
+def _checked_reader(folder: Folder, metadata, index_path: Path):
+    """Inside: megatron-core's torch_dist loader reads through `CheckedReader` (see `_reader_class`)."""
+    from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
+
+    if not callable(getattr(torch_strategy, "_get_filesystem_reader", None)):
+        raise NanoEvalError("this megatron-core version opens torch_dist checkpoints in a way nano_eval cannot "
+                            "intercept, and torch would unpickle parts of them unchecked. Fix: use megatron-core "
+                            "0.16-0.19, or convert the checkpoint to the legacy format.")
+    reader = _reader_class(folder, metadata, index_path)
     original = torch_strategy._get_filesystem_reader
-    torch_strategy._get_filesystem_reader = lambda checkpoint_dir, cache_metadata=False: CheckedIndexReader(
-        checkpoint_dir)
+    torch_strategy._get_filesystem_reader = lambda checkpoint_dir, cache_metadata=False: reader(checkpoint_dir)
     try:
         yield
     finally:
         torch_strategy._get_filesystem_reader = original
 
 
-def read_common(iter_dir: Path) -> dict:
-    """`common.pt` (args, iteration, content metadata), loaded safely."""
-    if not (iter_dir / COMMON).is_file():
-        raise NanoEvalError(f"{iter_dir}: no {COMMON} (it holds the model arguments). Fix: finish copying the "
-                            "checkpoint, or point at the iter_XXXXXXX folder itself.")
-    return load_shard(iter_dir / COMMON)
-
-
-def transformer_config(args: Mapping):
-    """megatron-core's TransformerConfig for a Llama-style GPT (Megatron-LM argument names), on CPU at the
-    current parallel_state's TP / PP sizes; weights are not initialised (the checkpoint overwrites them)."""
-    import torch.nn.functional as F
-    from megatron.core import parallel_state as ps
-    from megatron.core.transformer import TransformerConfig
-
-    heads = args["num_attention_heads"]
-    dtype = args.get("params_dtype") if isinstance(args.get("params_dtype"), torch.dtype) else torch.float32
-    return TransformerConfig(
-        num_layers=args["num_layers"], hidden_size=args["hidden_size"], ffn_hidden_size=args["ffn_hidden_size"],
-        num_attention_heads=heads,
-        num_query_groups=args.get("num_query_groups") if args.get("group_query_attention") else heads,
-        kv_channels=args.get("kv_channels") or args["hidden_size"] // heads, normalization="RMSNorm",
-        layernorm_epsilon=args.get("norm_epsilon", 1e-5), gated_linear_unit=True, activation_func=F.silu,
-        bias_activation_fusion=False, add_bias_linear=False, add_qkv_bias=False,
-        rotary_interleaved=bool(args.get("rotary_interleaved")),
-        tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
-        pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(), pipeline_dtype=dtype,
-        params_dtype=dtype,
-        use_cpu_initialization=True, perform_initialization=False)
-
-
-def build_gpt_model(args: Mapping):
-    """This rank's GPTModel stage (local layer spec: no Transformer Engine needed); at TP1/PP1, the whole model."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-    try:
-        return GPTModel(
-            config=transformer_config(args), transformer_layer_spec=get_gpt_layer_local_spec(),
-            vocab_size=args["padded_vocab_size"],
-            max_sequence_length=args.get("max_position_embeddings") or args["seq_length"],
-            pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
-            share_embeddings_and_output_weights=not args.get("untie_embeddings_and_output_weights", False),
-            position_embedding_type="rope", rotary_percent=1.0, rotary_base=int(args.get("rotary_base", 10000)))
-    except KeyError as e:
-        raise NanoEvalError(f"the checkpoint's args lack {e}. Fix: pass megatron_args=... (Megatron's names).") from e
+def read_common(iter_dir: Path, policy: FilePolicy = FilePolicy()) -> dict:
+    """`common.pt` (args, iteration, content metadata), read by nano_eval's own unpickler."""
+    folder = Folder(iter_dir, policy)
+    if not folder.has(COMMON):
+        raise CheckpointFileError(iter_dir, f"has no {COMMON} (it holds the model arguments)", "finish copying the "
+                                  "checkpoint, or point at the iter_XXXXXXX folder itself")
+    common = load_shard(folder.file(COMMON))
+    content = common.get(CONTENT_METADATA)
+    if content is not None and not (isinstance(content, dict) and all(
+            isinstance(k, str) and (v is None or type(v) in (bool, int, float, str)) for k, v in content.items())):
+        raise CheckpointFileError(folder.root / COMMON, f"its {CONTENT_METADATA} is not a dict of plain values")
+    return common
 
 
 @contextlib.contextmanager
@@ -207,38 +238,107 @@ def _model_only(sharded: dict) -> dict:
 
 def _reason(error: BaseException) -> str:
     """One line: torch's CheckpointException wraps each rank's (error, traceback) (e.g. a global shape mismatch)."""
+    error = _inner(error)
+    return f"{type(error).__name__}: {(str(error) or repr(error)).strip().splitlines()[-1][:300]}"
+
+
+@dataclass(frozen=True)
+class DistCheckpoint:
+    """A torch_dist iteration folder, read and checked: its folder, common.pt, index and args (overrides applied),
+    and the bytes of the .distcp files its index uses."""
+
+    folder: Folder
+    common: dict
+    metadata: object
+    args: dict
+    data_bytes: int
+
+
+def open_dist_checkpoint(iter_dir: str | Path, policy: FilePolicy = FilePolicy(),
+                         overrides: Mapping | None = None) -> DistCheckpoint:
+    """Read common.pt and .metadata with nano_eval's readers and check the index and metadata.json (nothing is
+    built or allocated for the model yet)."""
+    folder = Folder(iter_dir, policy).check()
+    common = read_common(folder.root, policy)
+    metadata = read_metadata_safely(folder.root, policy)
+    args = {**args_dict(common.get("args")), **dict(overrides or {})}
+    data_files = {info.relative_path for info in metadata.storage_data.values()}
+    if folder.has("metadata.json"):
+        saved = folder.read_json("metadata.json", CONFIG_BYTES)
+        backend = saved.get("sharded_backend") if isinstance(saved, dict) else None
+        if backend != "torch_dist":
+            raise CheckpointFileError(folder.root / "metadata.json", f"says the checkpoint's format is "
+                                      f"{backend!r:.40}, not torch_dist (the only distributed format nano_eval reads)",
+                                      "convert the checkpoint to torch_dist or legacy, or copy it again")
+    return DistCheckpoint(folder, common, metadata, args, sum(folder.file(n).stat().st_size for n in data_files))
+
+
+def load_sharded(model, ckpt: DistCheckpoint, fix: str) -> dict:
+    """megatron-core's dist_checkpointing.load of the model's sharded state dict (weights only) through the checked
+    reader: {name: tensor} for this rank's share, resharded from whatever layout the checkpoint was saved in."""
+    from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    index = ckpt.folder.root / INDEX
+    sharded = _model_only(model.sharded_state_dict(metadata=ckpt.common.get(CONTENT_METADATA)))
+    _check_requested(sharded, ckpt.metadata, index)
+    with _checked_reader(ckpt.folder, ckpt.metadata, index):
+        try:
+            loaded = dist_checkpointing.load(sharded, str(ckpt.folder.root), common_strategy=_AlreadyReadCommon())
+        except CheckpointFileError:
+            raise
+        except (Exception, CheckpointException) as e:  # torch's CheckpointException is a BaseException
+            inner = _inner(e)
+            if isinstance(inner, CheckpointFileError):
+                raise inner from e
+            raise NanoEvalError(f"{ckpt.folder.given}: megatron-core could not load it into the GPTModel its args "
+                                f"describe ({_reason(e)}). Fix: {fix}") from e
+    return {k: v for k, v in loaded.items() if isinstance(v, torch.Tensor)}
+
+
+def read_dist_checkpoint(iter_dir: str | Path, overrides: Mapping | None = None,
+                         policy: FilePolicy = FilePolicy()) -> tuple[dict, dict]:
+    """({Megatron name: full tensor} as one TP1/PP1 GPTModel's state dict, args) of a torch_dist checkpoint.
+
+    overrides: Megatron argument names/values that replace the pickled args (e.g. for an old checkpoint)."""
+    ckpt = open_dist_checkpoint(iter_dir, policy, overrides)
+    args = ckpt.args
+    hf_config_from_args(args, vocab_size=args.get("padded_vocab_size") or 1)  # refuses non-Llama args early
+    check_model_size(args, ckpt.folder.root / COMMON, disk_bytes=ckpt.data_bytes, policy=policy)
+    with single_stage_parallel_state():
+        model = build_gpt_model({**LLAMA_STYLE, **args}, tp=1, pp=1, ep=1)  # the converter's Llama defaults
+        loaded = load_sharded(model, ckpt, "check that it is a Llama-style GPT checkpoint; pass megatron_args=... "
+                                           "if its args are wrong.")
+    return loaded, args
+
+
+def _AlreadyReadCommon():  # noqa: N802 -- stands for a class megatron-core defines
+    """megatron-core's common-state strategy that does not torch.load common.pt again (read_common read it)."""
+    from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
+
+    class AlreadyRead(TorchCommonLoadStrategy):
+        def load_common(self, checkpoint_dir):
+            return {}
+
+    return AlreadyRead()
+
+
+def _check_requested(sharded: dict, metadata, index_path: Path) -> None:
+    """Every tensor the model asks for is a tensor in the index (not pickled bytes, which DCP would unpickle)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    for value in sharded.values():
+        key = getattr(value, "key", None)
+        found = metadata.state_dict_metadata.get(key)
+        if key is not None and found is not None and type(found) is not TensorStorageMetadata:
+            raise CheckpointFileError(index_path, f"the model's {key} is stored as pickled bytes, not a tensor "
+                                      "(loading it would run pickle on the file's bytes)")
+
+
+def _inner(error: BaseException) -> BaseException:
+    """The first rank's own error inside torch's CheckpointException (or the error itself)."""
     failures = getattr(error, "failures", None)
     if failures:
         error = next(iter(failures.values()))
         error = error[0] if isinstance(error, tuple) else error
-    return f"{type(error).__name__}: {(str(error) or repr(error)).strip().splitlines()[-1][:300]}"
-
-
-def read_dist_checkpoint(iter_dir: str | Path, overrides: Mapping | None = None) -> tuple[dict, dict]:
-    """({Megatron name: full tensor} as one TP1/PP1 GPTModel's state dict, args) of a torch_dist checkpoint.
-
-    overrides: Megatron argument names/values that replace the pickled args (e.g. for an old checkpoint)."""
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    iter_dir = Path(iter_dir)
-    common = read_common(iter_dir)
-    metadata = read_metadata_safely(iter_dir)
-    args = {**args_dict(common.get("args")), **dict(overrides or {})}
-    hf_config_from_args(args, vocab_size=args.get("padded_vocab_size") or 1)  # refuses non-Llama args early
-
-    class _AlreadyRead(TorchCommonLoadStrategy):  # common.pt was read above, safely: do not torch.load it again
-        def load_common(self, checkpoint_dir):
-            return {}
-
-    with single_stage_parallel_state(), _checked_index(metadata):
-        model = build_gpt_model(args)
-        sharded = _model_only(model.sharded_state_dict(metadata=common.get(CONTENT_METADATA)))
-        try:
-            loaded = dist_checkpointing.load(sharded, str(iter_dir), common_strategy=_AlreadyRead())
-        except (Exception, CheckpointException) as e:  # torch's CheckpointException is a BaseException
-            raise NanoEvalError(f"{iter_dir}: megatron-core could not load it into a GPTModel built from its args "
-                                f"({_reason(e)}). Fix: check that it is a Llama-style GPT checkpoint; pass "
-                                "megatron_args=... if its args are wrong.") from e
-    return {k: v for k, v in loaded.items() if isinstance(v, torch.Tensor)}, args
+    return error

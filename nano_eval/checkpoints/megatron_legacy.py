@@ -26,6 +26,7 @@ A torch_dist checkpoint (`*.distcp`, `.metadata`, `common.pt`) is first loaded b
 
 from __future__ import annotations
 
+import os
 import re
 from argparse import Namespace
 from collections.abc import Mapping
@@ -36,6 +37,7 @@ import torch
 from nano_eval.checkpoints.llama import interleaved_to_half_rotary, llama_from_state_dict
 from nano_eval.checkpoints.megatron_args import args_dict, hf_config_from_args, load_shard
 from nano_eval.checkpoints.megatron_dist import is_dist_checkpoint, read_dist_checkpoint
+from nano_eval.checkpoints.untrusted import CheckpointFileError, FilePolicy, Folder
 from nano_eval.errors import NanoEvalError
 
 SHARD_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
@@ -46,39 +48,46 @@ TRACKER = "latest_checkpointed_iteration.txt"
 ITER_DIR = re.compile(r"^(iter_\d{7}|release)$")
 
 
-def shard_files(iter_dir: Path) -> dict[tuple[int, int], Path]:
-    """{(tp_rank, pp_rank): model_optim_rng.pt} of a legacy iteration folder; checks that no shard is missing."""
-    found: dict[tuple[int, int], Path] = {}
+def shard_files(folder: Folder, allow_expert_shards: bool = False) -> dict[tuple, Path]:
+    """{(tp_rank, pp_rank): model_optim_rng.pt} of a legacy iteration folder (checked); no shard may be missing.
+    allow_expert_shards: keys are (tp_rank, pp_rank, ep_rank), and `mp_rank_TT_PPP_EEE` folders are read (the
+    native backend); otherwise they are refused (the transformers conversion is for dense models)."""
+    iter_dir = folder.root
+    found: dict[tuple[int, int, int], Path] = {}
     for sub in sorted(p for p in iter_dir.iterdir() if p.is_dir()):
         m = SHARD_DIR.match(sub.name)
         if not m:
             continue
-        if m.group(3) is not None:
-            raise NanoEvalError(f"{sub}: expert-parallel shards are not supported (Llama-style dense models only).")
-        found[(int(m.group(1)), int(m.group(2) or 0))] = sub / "model_optim_rng.pt"
+        if m.group(3) is not None and not allow_expert_shards:
+            raise NanoEvalError(f"{sub}: expert-parallel shards convert to transformers only for dense models. Fix: "
+                                "score it with --backend megatron --tp T --pp P --ep E (its saved layout).")
+        found[(int(m.group(1)), int(m.group(2) or 0), int(m.group(3) or 0))] = sub / "model_optim_rng.pt"
     if not found:
         raise NanoEvalError(f"{iter_dir} holds no mp_rank_XX folders. Fix: pass a Megatron iter_* folder.")
-    tp, pp = max(t for t, _ in found) + 1, max(p for _, p in found) + 1
-    missing = [f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "") for t in range(tp) for p in range(pp)
-               if not found.get((t, p), Path("/nonexistent")).is_file()]
+    tp, pp, ep = (max(k[i] for k in found) + 1 for i in range(3))
+    missing = [f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 or ep > 1 else "") + (f"_{e:03d}" if ep > 1 else "")
+               for t in range(tp) for p in range(pp) for e in range(ep)
+               if not found.get((t, p, e), Path("/nonexistent")).is_file()]
     if missing:
-        raise NanoEvalError(f"{iter_dir}: missing shards {missing} of tp={tp} x pp={pp}. "
-                            "Fix: finish copying the checkpoint.")
-    return found
+        raise NanoEvalError(f"{iter_dir}: missing shards {missing} of tp={tp} x pp={pp}" + (f" x ep={ep}" if ep > 1
+                            else "") + ". Fix: finish copying the checkpoint.")
+    checked = {key: folder.file(path) for key, path in found.items()}
+    return checked if allow_expert_shards else {key[:2]: path for key, path in checked.items()}
 
 
-def read_megatron_checkpoint(iter_dir: str | Path, overrides: Mapping | None = None
-                             ) -> tuple[dict[str, torch.Tensor], dict, list[int]]:
+def read_megatron_checkpoint(iter_dir: str | Path, overrides: Mapping | None = None,
+                             policy: FilePolicy = FilePolicy()) -> tuple[dict[str, torch.Tensor], dict, list[int]]:
     """Merged TP shards of every PP stage: ({name: full tensor} with global layer numbers, args, layers per stage).
     linear_fc1 is returned already un-fused as `...linear_fc1.gate.weight` / `...linear_fc1.up.weight`.
     overrides: Megatron argument names/values that replace the pickled `args`.
     A torch_dist checkpoint is first loaded by megatron-core into one TP1 GPTModel (megatron_dist.py)."""
-    iter_dir = Path(iter_dir)
+    folder = Folder(iter_dir, policy).check()
+    iter_dir = folder.root
     if is_dist_checkpoint(iter_dir) and not any(SHARD_DIR.match(p.name) for p in iter_dir.iterdir()):
-        state, args = read_dist_checkpoint(iter_dir, args_dict(overrides))
+        state, args = read_dist_checkpoint(iter_dir, args_dict(overrides), policy)
         stage = _merge_tp([state], iter_dir)
         return stage, args, [1 + max((int(m.group(1)) for k in stage if (m := LAYER.match(k))), default=-1)]
-    files = shard_files(iter_dir)
+    files = shard_files(folder)
     tp, pp = max(t for t, _ in files) + 1, max(p for _, p in files) + 1
     merged: dict[str, torch.Tensor] = {}
     args: dict = {}
@@ -87,10 +96,11 @@ def read_megatron_checkpoint(iter_dir: str | Path, overrides: Mapping | None = N
     for p in range(pp):
         shards = [load_shard(files[(t, p)]) for t in range(tp)]
         args = args or args_dict(shards[0].get("args"))
-        if "model" not in shards[0]:
-            keys = sorted(k for k in shards[0] if k.startswith("model"))
-            raise NanoEvalError(f"{files[(0, p)]}: no 'model' entry (found {keys}); virtual-pipeline checkpoints "
-                                "(model0, model1, ...) are not supported.")
+        for t, shard in enumerate(shards):
+            if not isinstance(shard.get("model"), dict):
+                keys = sorted(str(k) for k in shard if str(k).startswith("model"))
+                raise CheckpointFileError(files[(t, p)], f"has no 'model' state dict (found {keys}); "
+                                          "virtual-pipeline checkpoints (model0, model1, ...) are not supported")
         stage = _merge_tp([s["model"] for s in shards], files[(0, p)])
         numbers = [int(m.group(1)) for k in stage if (m := LAYER.match(k))]
         n_layers = 1 + max(numbers, default=-1)
@@ -105,9 +115,11 @@ def _merge_tp(shards: list[dict], where: Path) -> dict[str, torch.Tensor]:
     """Full tensors of one PP stage from its TP shards (state dicts with Megatron names)."""
     out = {}
     for name, first in shards[0].items():
-        if name.endswith("_extra_state") or not isinstance(first, torch.Tensor):
+        if not isinstance(name, str) or name.endswith("_extra_state") or not isinstance(first, torch.Tensor):
             continue
-        parts = [s[name] for s in shards]
+        parts = [s.get(name) for s in shards]
+        if not all(isinstance(t, torch.Tensor) and t.dim() == first.dim() and t.dtype == first.dtype for t in parts):
+            raise CheckpointFileError(where, f"{name} is missing, or differs in rank or dtype, on some TP shards")
         if name.endswith("linear_fc1.weight"):  # each shard is [gate_r | up_r]
             halves = [t.chunk(2, dim=0) for t in parts]
             out[name.replace("linear_fc1.weight", "linear_fc1.gate.weight")] = torch.cat([h[0] for h in halves])
@@ -156,11 +168,12 @@ def hf_state_dict(weights: dict[str, torch.Tensor], config, interleaved_rotary: 
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def load_megatron_llama_as_hf(iter_dir: str | Path, megatron_args: Mapping | Namespace | None = None):
+def load_megatron_llama_as_hf(iter_dir: str | Path, megatron_args: Mapping | Namespace | None = None,
+                              policy: FilePolicy = FilePolicy()):
     """A transformers LlamaForCausalLM (fp32) holding a legacy Megatron checkpoint's weights.
     megatron_args: Megatron argument names/values that override (or replace) the pickled `args`."""
 
-    weights, args, layers = read_megatron_checkpoint(iter_dir, megatron_args)
+    weights, args, layers = read_megatron_checkpoint(iter_dir, megatron_args, policy)
     if "embedding.word_embeddings.weight" not in weights:
         raise NanoEvalError(f"{iter_dir}: no embedding.word_embeddings.weight; is it a GPT checkpoint?")
     config = hf_config_from_args(args, vocab_size=weights["embedding.word_embeddings.weight"].shape[0])
@@ -171,7 +184,7 @@ def load_megatron_llama_as_hf(iter_dir: str | Path, megatron_args: Mapping | Nam
         state = hf_state_dict(weights, config, interleaved_rotary=bool(args.get("rotary_interleaved")))
     except KeyError as e:
         raise NanoEvalError(f"{iter_dir}: the checkpoint lacks {e}; is it a Llama-style GPTModel?") from e
-    return llama_from_state_dict(config, state, str(iter_dir))
+    return llama_from_state_dict(config, state, str(iter_dir), policy)
 
 
 # ---- loading as a backend ------------------------------------------------------------------------------------
@@ -186,21 +199,28 @@ def is_megatron_checkpoint(path: str) -> bool:
     return bool(ITER_DIR.match(p.name)) and (any(p.glob("mp_rank_*")) or (p / ".metadata").exists())
 
 
-def resolve_iteration_dir(path: str) -> Path:
-    """The iteration folder: `path` itself, or the one the run dir's tracker names (an int, or "release")."""
+def resolve_iteration_dir(path: str, policy: FilePolicy = FilePolicy()) -> Path:
+    """The iteration folder: `path` itself, or the one the run dir's tracker names (an int, or "release"), which
+    must lie inside the run dir."""
     p = Path(path)
-    if not (p / TRACKER).is_file():
+    if not os.path.lexists(p / TRACKER):
         return p
-    text = (p / TRACKER).read_text().strip()
-    name = "release" if text == "release" else f"iter_{int(text):07d}" if text.isdigit() else None
+    run = Folder(p, policy, what="run")
+    text = run.read_bytes(TRACKER, 64).decode("ascii", "replace").strip()
+    name = "release" if text == "release" else f"iter_{int(text):07d}" if text.isdigit() and len(text) < 10 else None
     if name is None or not (p / name).is_dir():
-        raise NanoEvalError(f"{p / TRACKER} says {text!r} but {p / (name or '?')} does not exist. "
+        raise NanoEvalError(f"{p / TRACKER} says {text!r:.40} but {p / (name or '?')} does not exist. "
                             "Fix: pass an iter_XXXXXXX folder directly.")
+    target = Path(os.path.realpath(p / name))
+    if not run.inside(target) and not policy.allow_symlinks_outside:
+        raise CheckpointFileError(p / name, f"resolves to {target}, outside the run folder {run.root}",
+                                  "pass the iteration folder itself, or --allow-symlinks-outside if you trust it")
     return p / name
 
 
 def load_as_transformers(checkpoint: str, tokenizer_path: str | None, *, device: str = "cpu", dtype: str = "float32",
-                         max_length: int | None = None, megatron_args: dict | None = None):
+                         max_length: int | None = None, megatron_args: dict | None = None,
+                         policy: FilePolicy = FilePolicy()):
     """A TransformersModel backend holding the Megatron checkpoint's weights."""
     from nano_eval.backends.transformers import TransformersModel
     from nano_eval.checkpoints.files import load_tokenizer
@@ -208,7 +228,7 @@ def load_as_transformers(checkpoint: str, tokenizer_path: str | None, *, device:
     if not tokenizer_path:
         raise NanoEvalError(f"checkpoint {checkpoint}: Megatron checkpoints do not hold a tokenizer. "
                             "Fix: pass --tokenizer PATH_OR_HUB_ID (the one the run trained with).")
-    tokenizer = load_tokenizer(tokenizer_path, checkpoint)  # before the weights: a wrong path fails in a second
-    model = load_megatron_llama_as_hf(resolve_iteration_dir(checkpoint), megatron_args)
+    tokenizer = load_tokenizer(tokenizer_path, checkpoint, policy=policy)  # before the weights: fails in a second
+    model = load_megatron_llama_as_hf(resolve_iteration_dir(checkpoint, policy), megatron_args, policy)
     model = model.to(device=device, dtype=getattr(torch, dtype))
     return TransformersModel(model, tokenizer, max_length=max_length)

@@ -23,9 +23,10 @@ from pathlib import Path
 
 import torch
 
-from nano_eval.checkpoints.llama import interleaved_to_half_rotary, llama_from_state_dict
+from nano_eval.checkpoints.llama import check_config_size, interleaved_to_half_rotary, llama_from_state_dict
 from nano_eval.compat.nanotron import NUMPY_SCALAR_REPR  # no nanotron import: plain regex
-from nano_eval.checkpoints.files import check_safetensors, load_tokenizer
+from nano_eval.checkpoints.files import check_safetensors, load_tokenizer, safetensors_header
+from nano_eval.checkpoints.untrusted import CheckpointFileError, FilePolicy, Folder
 from nano_eval.errors import NanoEvalError
 
 _SHARD_SUFFIX = re.compile(r"_pp-rank-\d+-of-\d+_tp-rank-\d+-of-\d+$")
@@ -36,29 +37,75 @@ def _slices(text: str) -> tuple[slice, ...]:
     return tuple(slice(*(None if x == "None" else int(x) for x in part.split(","))) for part in text.split("|"))
 
 
-def read_nanotron_weights(checkpoint: str | Path) -> dict[str, torch.Tensor]:
+def _shape(text: str) -> tuple[int, ...]:
+    """nanotron's `unsharded_shape` metadata ("(544, 64)", or numpy scalars' reprs) as integers."""
+    return tuple(int(x) for x in NUMPY_SCALAR_REPR.sub(r"\1", text).strip("()").split(",") if x.strip())
+
+
+def weight_files(folder: Folder) -> dict[str, list[Path]]:
+    """{parameter name: its shard files} of a checked nanotron checkpoint folder."""
+    root = folder.root / "model"
+    files = sorted(root.rglob("*.safetensors"))
+    if not files:
+        raise NanoEvalError(f"checkpoint {folder.given} has no model/*.safetensors. Fix: pass a nanotron checkpoint "
+                            "folder.")
+    check_safetensors(files, folder.given)
+    by_name: dict[str, list[Path]] = {}
+    for file in files:
+        leaf = _SHARD_SUFFIX.sub("", file.stem).removeprefix("model_")
+        by_name.setdefault(".".join((*file.parent.relative_to(root).parts, leaf)), []).append(folder.file(file))
+    return by_name
+
+
+def check_weight_sizes(by_name: dict[str, list[Path]], policy: FilePolicy, where: str | Path) -> int:
+    """Refuse an `unsharded_shape` larger than the elements its shards hold (before the full tensor is allocated);
+    returns the bytes of the merged weights."""
+    total = 0
+    for name, files in by_name.items():
+        headers = [safetensors_header(f) for f in files]
+        shards = [h.tensors.get("data") for h in headers]
+        if any(s is None for s in shards):
+            raise CheckpointFileError(files[0], "holds no tensor named 'data' (nanotron saves each weight as one)")
+        held = sum(s.numel for s in shards)
+        shapes = {h.metadata.get("unsharded_shape") for h in headers}
+        declared = held if shapes == {None} else max(_numel(_shape(str(x))) for x in shapes if x is not None)
+        if declared > held:
+            raise CheckpointFileError(files[0], f"{name} declares an unsharded shape of {declared:,} elements but its "
+                                      f"{len(files)} shard(s) hold {held:,}")
+        total += declared * shards[0].itemsize
+    policy.check_allocation(total, where, "the merged weights")
+    return total
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def read_nanotron_weights(checkpoint: str | Path, policy: FilePolicy = FilePolicy()) -> dict[str, torch.Tensor]:
     """Full tensors keyed by parameter name (e.g. `model.decoder.0.pp_block.attn.qkv_proj.weight`)."""
     from safetensors import safe_open
 
-    root = Path(checkpoint) / "model"
-    files = sorted(root.rglob("*.safetensors"))
-    if not files:
-        raise NanoEvalError(f"checkpoint {checkpoint} has no model/*.safetensors. Fix: pass a nanotron checkpoint folder.")
-    check_safetensors(files, checkpoint)
+    by_name = weight_files(Folder(checkpoint, policy).check())
+    check_weight_sizes(by_name, policy, checkpoint)
     weights: dict[str, torch.Tensor] = {}
-    for file in files:
-        leaf = _SHARD_SUFFIX.sub("", file.stem).removeprefix("model_")
-        name = ".".join((*file.parent.relative_to(root).parts, leaf))
-        with safe_open(str(file), framework="pt") as f:
-            data, meta = f.get_tensor("data"), f.metadata() or {}
-        if "unsharded_shape" not in meta:
-            weights[name] = data
-            continue
-        shape = tuple(int(x) for x in NUMPY_SCALAR_REPR.sub(r"\1", meta["unsharded_shape"]).strip("()").split(",") if x.strip())
-        full = weights.setdefault(name, torch.empty(shape, dtype=data.dtype))
-        for pair in meta["local_global_slices_pairs"].split(";"):
-            local, global_ = pair.split("#")
-            full[_slices(global_)] = data[_slices(local)]
+    for name, files in by_name.items():
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                data, meta = f.get_tensor("data"), f.metadata() or {}
+            if "unsharded_shape" not in meta:
+                weights[name] = data
+                continue
+            full = weights.setdefault(name, torch.empty(_shape(meta["unsharded_shape"]), dtype=data.dtype))
+            for pair in meta["local_global_slices_pairs"].split(";"):
+                local, global_ = (_slices(x) for x in pair.split("#"))
+                if full[global_].shape != data[local].shape:
+                    raise CheckpointFileError(file, f"{name}: slice {global_} of the full tensor "
+                                              f"{tuple(full.shape)} does not match slice {local} of the shard "
+                                              f"{tuple(data.shape)}")
+                full[global_] = data[local]
     return weights
 
 
@@ -107,42 +154,42 @@ def hf_state_dict(weights: dict[str, torch.Tensor], config, rope_interleaved: bo
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def load_nanotron_llama_as_hf(checkpoint: str | Path, model_config: dict | None = None):
+def load_nanotron_llama_as_hf(checkpoint: str | Path, model_config: dict | None = None,
+                              policy: FilePolicy = FilePolicy()):
     """A transformers LlamaForCausalLM holding the checkpoint's weights. `model_config` defaults to the
     `model.model_config` section of the checkpoint's config.yaml."""
     if model_config is None:
-        model_config = read_model_config(checkpoint)
+        model_config = read_model_config(checkpoint, policy)
     try:
         config = hf_config_from(model_config)
-    except KeyError as e:
-        raise NanoEvalError(f"checkpoint {checkpoint}: config.yaml's model.model_config lacks {e}; is it a Llama?") from e
-    state = hf_state_dict(read_nanotron_weights(checkpoint), config, bool(model_config.get("rope_interleaved", True)))
-    return llama_from_state_dict(config, state, f"checkpoint {checkpoint}")
-
-
-def read_config_yaml(checkpoint: str | Path) -> dict:
-    """config.yaml as a dict; a NanoEvalError naming the file and line when it is not valid YAML."""
-    import yaml
-
-    path = Path(checkpoint) / "config.yaml"
+    except (KeyError, TypeError, ValueError) as e:
+        raise NanoEvalError(f"checkpoint {checkpoint}: config.yaml's model.model_config is not a Llama's ({e}). Fix: "
+                            "restore config.yaml from the training run.") from e
+    weights = read_nanotron_weights(checkpoint, policy)
     try:
-        config = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" (line {mark.line + 1} column {mark.column + 1})" if mark is not None else ""
-        raise NanoEvalError(f"checkpoint {checkpoint}: {path} is not valid YAML{where}: "
-                            f"{getattr(e, 'problem', None) or e}. Fix: restore config.yaml from the training run.") from e
-    except (OSError, UnicodeDecodeError) as e:
-        raise NanoEvalError(f"checkpoint {checkpoint}: cannot read {path} ({e}).") from e
+        state = hf_state_dict(weights, config, bool(model_config.get("rope_interleaved", True)))
+    except (KeyError, RuntimeError) as e:
+        raise NanoEvalError(f"checkpoint {checkpoint}: its weights do not fit config.yaml's Llama ({e}). Fix: "
+                            "restore the checkpoint from the training run.") from e
+    return llama_from_state_dict(config, state, f"checkpoint {checkpoint}", policy)
+
+
+def read_config_yaml(checkpoint: str | Path, policy: FilePolicy = FilePolicy()) -> dict:
+    """config.yaml as a dict (untrusted.parse_yaml: no alias bombs, sizes bounded); a NanoEvalError naming the file
+    and line when it is not valid YAML."""
+    config = Folder(checkpoint, policy).read_yaml("config.yaml")
     return config if isinstance(config, dict) else {}
 
 
-def read_model_config(checkpoint: str | Path) -> dict:
+def read_model_config(checkpoint: str | Path, policy: FilePolicy = FilePolicy()) -> dict:
     path = Path(checkpoint) / "config.yaml"
     try:
-        return read_config_yaml(checkpoint)["model"]["model_config"]
+        config = read_config_yaml(checkpoint, policy)["model"]["model_config"]
     except (KeyError, TypeError) as e:
         raise NanoEvalError(f"checkpoint {checkpoint}: cannot read model.model_config from {path} ({e}).") from e
+    if not isinstance(config, dict):
+        raise NanoEvalError(f"checkpoint {checkpoint}: model.model_config in {path} is not a mapping.")
+    return config
 
 
 # ---- loading as a backend ------------------------------------------------------------------------------------
@@ -152,13 +199,14 @@ def is_nanotron_checkpoint(path: str) -> bool:
     return (p / "config.yaml").is_file() and (p / "model").is_dir()
 
 
-def tokenizer_path(checkpoint: str, override: str | None) -> str:
+def tokenizer_path(checkpoint: str, override: str | None, policy: FilePolicy = FilePolicy()) -> str:
     """--tokenizer, else config.yaml's tokenizer.tokenizer_name_or_path."""
     if override:
         return override
-    config = read_config_yaml(checkpoint)
-    name = (config.get("tokenizer") or {}).get("tokenizer_name_or_path")
-    if not name:
+    config = read_config_yaml(checkpoint, policy)
+    section = config.get("tokenizer")
+    name = section.get("tokenizer_name_or_path") if isinstance(section, dict) else None
+    if not isinstance(name, str) or not name:
         raise NanoEvalError(
             f"checkpoint {checkpoint}: config.yaml names no tokenizer (tokenizer.tokenizer_name_or_path). "
             "Fix: pass --tokenizer PATH_OR_HUB_ID."
@@ -166,12 +214,13 @@ def tokenizer_path(checkpoint: str, override: str | None) -> str:
     return name
 
 
-def load_as_transformers(checkpoint: str, tokenizer: str | None, *, device: str, dtype: str, max_length: int | None):
+def load_as_transformers(checkpoint: str, tokenizer: str | None, *, device: str, dtype: str, max_length: int | None,
+                         policy: FilePolicy = FilePolicy()):
     """A TransformersModel backend holding the nanotron checkpoint's weights."""
     from nano_eval.backends.transformers import TransformersModel
 
-    tok = load_tokenizer(tokenizer_path(checkpoint, tokenizer), checkpoint)
-    model = load_nanotron_llama_as_hf(checkpoint).to(device=device, dtype=getattr(torch, dtype))
+    tok = load_tokenizer(tokenizer_path(checkpoint, tokenizer, policy), checkpoint, policy=policy)
+    model = load_nanotron_llama_as_hf(checkpoint, policy=policy).to(device=device, dtype=getattr(torch, dtype))
     return TransformersModel(model, tok, max_length=max_length)
 
 
@@ -188,7 +237,7 @@ def missing_requirements() -> list[str]:
 
 
 def load_native(checkpoint: str, tokenizer: str | None, *, tp: int, pp: int, dtype: str, max_length: int | None,
-                tp_mode: str = "ALL_REDUCE"):
+                tp_mode: str = "ALL_REDUCE", policy: FilePolicy = FilePolicy()):
     """nanotron's own model class in a tp x pp x dp layout (dp = world / (tp x pp)), weights resharded on load by
     nanotron's load_weights. Needs torchrun and flash-attn; runs on CUDA when there is one. (The test suite runs it
     on CPU with a flash-attn test double and CPU patches that live in tests/.)"""
@@ -207,6 +256,17 @@ def load_native(checkpoint: str, tokenizer: str | None, *, tp: int, pp: int, dty
             f"--backend nanotron needs torchrun with a world size divisible by tp x pp = {tp * pp} "
             f"(WORLD_SIZE={world or 'unset'}). Fix: torchrun --nproc_per_node={tp * pp} nano_eval/run.py ..."
         )
+
+    # nanotron's own loader trusts the files: check them first (folder, YAML, shard sizes vs the config's model)
+    folder = Folder(checkpoint, policy).check()
+    model_dict = read_model_config(checkpoint, policy)
+    by_name = weight_files(folder)
+    check_weight_sizes(by_name, policy, checkpoint)
+    try:
+        check_config_size(hf_config_from(model_dict), sum(f.stat().st_size for fs in by_name.values() for f in fs),
+                          f"checkpoint {checkpoint}", policy)
+    except (KeyError, TypeError, ValueError) as e:
+        raise NanoEvalError(f"checkpoint {checkpoint}: config.yaml's model.model_config is not a Llama's ({e}).") from e
 
     from nano_eval.backends.nanotron import NanotronModel
     from nano_eval.compat.nanotron import cpu_parallel_context, import_nanotron
@@ -238,5 +298,5 @@ def load_native(checkpoint: str, tokenizer: str | None, *, tp: int, pp: int, dty
     )
     mark_tied_parameters(model=model, parallel_context=pc, parallel_config=parallel)
     load_weights(model=model, parallel_context=pc, root_folder=Path(checkpoint))
-    tok = load_tokenizer(tokenizer_path(checkpoint, tokenizer), checkpoint)
+    tok = load_tokenizer(tokenizer_path(checkpoint, tokenizer, policy), checkpoint, policy=policy)
     return NanotronModel(model, pc, tok, max_length=max_length or model_config.max_position_embeddings, device=device)

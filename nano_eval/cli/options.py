@@ -74,6 +74,22 @@ def _number(text: str, kind: type):
         raise argparse.ArgumentTypeError(f"must be {'an integer' if kind is int else 'a number'}, got {text!r}")
 
 
+_SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def byte_size(text: str) -> int:
+    """A number of bytes, with an optional K/M/G/T suffix (powers of 1024): `512M`, `64G`, `1T`."""
+    value = text.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = value[-1:] if value[-1:] in _SIZE_UNITS and value[-1:] else ""
+    try:
+        number = float(value[: len(value) - len(unit)])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a size such as 512M, 64G or 1T, got {text!r}")
+    if not number > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive size, got {text!r}")
+    return int(number * _SIZE_UNITS[unit])
+
+
 def task_specs(text: str) -> str:
     """`--tasks`: specs, or a file of specs. A value that looks like a path must name an existing file."""
     looks_like_path = "|" not in text and ("/" in text or text.endswith(TASK_FILE_SUFFIXES))
@@ -85,11 +101,13 @@ def task_specs(text: str) -> str:
 
 def add_model_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
-    g.add_argument("--backend", default="transformers", choices=["transformers", "nanotron"],
-                   help="nanotron: build nanotron's own model in --tp x --pp under torchrun (needs flash-attn); "
-                        "transformers: any machine")
-    g.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel degree (--backend nanotron)")
-    g.add_argument("--pp", type=positive_int, default=1, help="pipeline-parallel degree (--backend nanotron)")
+    g.add_argument("--backend", default="transformers", choices=["transformers", "nanotron", "megatron"],
+                   help="nanotron: nanotron's own model in --tp x --pp under torchrun (needs flash-attn); megatron: "
+                        "megatron-core's GPTModel (dense or MoE) in --tp x --pp x --ep under torchrun; "
+                        "transformers: any machine, one process per data-parallel replica")
+    g.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel degree (--backend nanotron/megatron)")
+    g.add_argument("--pp", type=positive_int, default=1, help="pipeline-parallel degree (--backend nanotron/megatron)")
+    g.add_argument("--ep", type=positive_int, default=1, help="expert-parallel degree (--backend megatron)")
     g.add_argument("--tokenizer", default=None,
                    help="tokenizer folder or Hub id, for every checkpoint kind (default: the checkpoint's own; "
                         "nanotron: its config.yaml's; Megatron: required)")
@@ -102,6 +120,12 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                    help="put BOS before every context (--no-add-bos-token: never); changes scores (default: the "
                         "tokenizer's own choice, as lm-evaluation-harness)")
     g.add_argument("--trust-remote-code", action="store_true", help="allow the checkpoint's own Python code to run")
+    g.add_argument("--allow-symlinks-outside", action="store_true",
+                   help="follow symlinks that leave the checkpoint or tokenizer folder (refused by default, naming "
+                        "the link)")
+    g.add_argument("--max-checkpoint-bytes", type=byte_size, default=None,
+                   help="most memory a checkpoint's model may take (e.g. 64G); a checkpoint that declares more is "
+                        "refused before anything is allocated (default: this machine's physical memory)")
 
 
 def add_task_options(p: argparse.ArgumentParser) -> None:
@@ -133,8 +157,11 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
 
 
 def load_options(args: argparse.Namespace) -> LoadOptions:
-    return LoadOptions(backend=args.backend, tp=args.tp, pp=args.pp, tokenizer=args.tokenizer, device=args.device,
-                       dtype=args.dtype, max_length=args.max_length, trust_remote_code=args.trust_remote_code)
+    return LoadOptions(backend=args.backend, tp=args.tp, pp=args.pp, ep=args.ep, tokenizer=args.tokenizer,
+                       device=args.device,
+                       dtype=args.dtype, max_length=args.max_length, trust_remote_code=args.trust_remote_code,
+                       allow_symlinks_outside=args.allow_symlinks_outside,
+                       max_checkpoint_bytes=args.max_checkpoint_bytes)
 
 
 def eval_job(args: argparse.Namespace, tasks: str, *, progress: bool = True) -> EvalJob:

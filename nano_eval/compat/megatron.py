@@ -97,6 +97,18 @@ def initialize_cpu_model_parallel(tp: int = 1, pp: int = 1) -> None:
     ps.initialize_model_parallel(**kwargs)
 
 
+def initialize_model_parallel_for_eval(*, tp: int, pp: int, ep: int = 1, device: str = "cpu") -> None:
+    """parallel_state at tp x pp x ep for a model nano_eval builds itself (`--backend megatron`); torch.distributed
+    must be initialised. On CPU (gloo), megatron's extra gloo groups are skipped (the default group is gloo)."""
+    ps = import_megatron_core()
+    kwargs = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+              "expert_model_parallel_size": ep}
+    if not device.startswith("cuda") and "create_gloo_process_groups" in inspect.signature(
+            ps.initialize_model_parallel).parameters:
+        kwargs["create_gloo_process_groups"] = False
+    ps.initialize_model_parallel(**kwargs)
+
+
 def unwrap(module):
     """The model inside Megatron's wrappers (DistributedDataParallel, Float16Module, FSDP: all keep `.module`)."""
     while hasattr(module, "module") and module.module is not module:

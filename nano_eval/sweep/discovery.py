@@ -13,13 +13,13 @@ must also look the same (sizes, mtimes) on two looks at least `settle_s` apart: 
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from nano_eval.checkpoints.files import safetensors_problem
+from nano_eval.checkpoints.untrusted import CheckpointFileError, parse_json, parse_yaml, read_regular_file
 
 NANOTRON_LATEST = "latest.txt"
 MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
@@ -48,10 +48,20 @@ def is_temporary(name: str) -> bool:
 
 
 def _read_int(path: Path) -> int | None:
+    data = read_regular_file(path, 64)
     try:
-        return int(path.read_text().strip())
-    except (OSError, ValueError):
+        return None if data is None else int(data.decode("ascii").strip())
+    except (UnicodeDecodeError, ValueError):
         return None  # missing, or "release" in a Megatron tracker
+
+
+def _read_json(path: Path):
+    """The JSON value of a file of the run folder, or None when it is missing, odd or unreadable."""
+    data = read_regular_file(path)
+    try:
+        return None if data is None else parse_json(data, path)
+    except CheckpointFileError:
+        return None
 
 
 def classify(path: Path, run_dir: Path | None = None) -> Checkpoint | None:
@@ -136,10 +146,11 @@ def _hf_missing(path: Path) -> str | None:
         return "config.json is missing"
     for index in HF_INDEXES:
         if (path / index).exists():
-            try:
-                shards = set(json.loads((path / index).read_text())["weight_map"].values())
-            except (OSError, ValueError, KeyError):
+            index_doc = _read_json(path / index)
+            weight_map = index_doc.get("weight_map") if isinstance(index_doc, dict) else None
+            if not isinstance(weight_map, dict):
                 return f"{index} is unreadable"
+            shards = {str(s) for s in weight_map.values()}
             absent = sorted(s for s in shards if not (path / s).exists())
             if absent:
                 return f"shards {absent[:3]} listed in {index} are missing"
@@ -203,22 +214,26 @@ def consumed_tokens(ckpt: Checkpoint) -> int | None:
     """Tokens the trainer had consumed at this checkpoint, when its files say (nanotron metadata, HF trainer state)."""
     try:
         if ckpt.kind == "nanotron" and (ckpt.path / "checkpoint_metadata.json").exists():
-            metas = json.loads((ckpt.path / "checkpoint_metadata.json").read_text()).get("metas", {})
+            metas = (_read_json(ckpt.path / "checkpoint_metadata.json") or {}).get("metas", {})
             if metas.get("consumed_tokens_total"):
                 return int(metas["consumed_tokens_total"])
             samples = metas.get("consumed_train_samples")
             seq = _nanotron_sequence_length(ckpt.path)
             return int(samples) * seq if samples is not None and seq else None
         if (ckpt.path / "trainer_state.json").exists():
-            seen = json.loads((ckpt.path / "trainer_state.json").read_text()).get("num_input_tokens_seen")
+            seen = (_read_json(ckpt.path / "trainer_state.json") or {}).get("num_input_tokens_seen")
             return int(seen) if seen else None
-    except (OSError, ValueError, TypeError):
+    except (ValueError, TypeError, AttributeError, OverflowError):
         return None
     return None
 
 
 def _nanotron_sequence_length(path: Path) -> int | None:
-    import yaml
-
-    config = yaml.safe_load((path / "config.yaml").read_text()) or {}
-    return (config.get("tokens") or {}).get("sequence_length")
+    data = read_regular_file(path / "config.yaml")
+    try:
+        config = parse_yaml(data, path / "config.yaml") if data is not None else None
+    except CheckpointFileError:
+        return None
+    tokens = config.get("tokens") if isinstance(config, dict) else None
+    length = tokens.get("sequence_length") if isinstance(tokens, dict) else None
+    return length if type(length) is int and length > 0 else None
