@@ -165,8 +165,15 @@ class Language(enum.Enum):
     ZULU = "zul"
 
 
+class _CodeToLanguage(dict):
+    """A code not listed maps to `Language(code)` (a member made for it when there is none)."""
+
+    def __missing__(self, code: str) -> Language:
+        return Language(code)
+
+
 # Individual-language codes that data sets use, mapped to the member for their macrolanguage (or the language).
-iso_639_3_ind_to_iso_639_3_macro: dict[str, Language] = {
+iso_639_3_ind_to_iso_639_3_macro: dict[str, Language] = _CodeToLanguage({
     **{lang.value: lang for lang in Language if len(lang.value) == 3},
     "arb": Language.ARABIC, "arz": Language.ARABIC, "ary": Language.ARABIC, "acm": Language.ARABIC,
     "apc": Language.ARABIC, "ars": Language.ARABIC, "ajp": Language.ARABIC, "aeb": Language.ARABIC,
@@ -175,7 +182,7 @@ iso_639_3_ind_to_iso_639_3_macro: dict[str, Language] = {
     "nno": Language.NORWEGIAN, "ory": Language.ORIYA, "pbt": Language.PASHTO, "uzn": Language.UZBEK,
     "lvs": Language.LATVIAN, "ekk": Language.ESTONIAN, "khk": Language.MONGOLIAN, "plt": Language.MALAGASY,
     "gaz": Language.OROMO, "quy": Language.QUECHUA, "fil": Language.TAGALOG, "tgl": Language.TAGALOG,
-}
+})
 
 
 def manage_duplicate_language_codes(langcode: str) -> str:

@@ -63,6 +63,7 @@ from nano_eval.metrics.normalizations import (LogProbCharNorm, LogProbPMINorm, L
                                               remove_articles, remove_braces, remove_braces_and_strip, remove_punc)
 from nano_eval.response import ModelResponse
 from nano_eval.tasks.config import TaskConfig, TaskConfigError
+from nano_eval.tasks.suite.catalog import MMLU_SUBJECTS
 from nano_eval.tasks.languages import Language, iso_639_3_ind_to_iso_639_3_macro, manage_duplicate_language_codes
 from nano_eval.tasks.lighteval_prompts import (arc_prompt, gsm8k_prompt, hellaswag_prompt, math_prompt, mmlu_prompt,
                                                openbookqa_prompt, piqa_prompt, quac_prompt, triviaqa_prompt,
@@ -83,6 +84,7 @@ except ImportError:  # pragma: no cover - an old huggingface_hub
 IGNORED_FIELDS = ("solver", "scorer", "sample_fields", "sample_to_fewshot", "filter", "num_fewshots", "frozen")
 FEW_SHOT_MODES = {"random_sampling": "random", "random_sampling_from_train": "random"}
 LETTER_INDICES = list(string.ascii_uppercase)  # lighteval.tasks.default_prompts.LETTER_INDICES
+MMLU_SUBSETS = list(MMLU_SUBJECTS)  # lighteval.tasks.multilingual.tasks.MMLU_SUBSETS: the 57 MMLU subjects
 _warned: set[str] = set()
 
 
@@ -142,16 +144,14 @@ def multichoice_scorer():
     return None
 
 
-def _inspect_only(name: str):
-    def refuse(*args, **kwargs):
-        raise NanoEvalError(f"{name} belongs to lighteval's inspect-ai path (scorers), which nano_eval does not run")
-
-    refuse.__name__ = name
-    return refuse
+def get_extraction_regexes_inspect(*args, **kwargs) -> None:
+    """For lighteval's inspect-ai scorers, which nano_eval never calls (files build them at import): None."""
+    return None
 
 
-extract_target_from_pred = _inspect_only("extract_target_from_pred")
-get_extraction_regexes_inspect = _inspect_only("get_extraction_regexes_inspect")
+def extract_target_from_pred(*args, **kwargs) -> list:
+    """For lighteval's inspect-ai scorers, which nano_eval never calls: nothing extracted."""
+    return []
 ifeval_metrics = UnsupportedMetric(["prompt_level_strict_acc", "inst_level_strict_acc", "prompt_level_loose_acc",
                                     "inst_level_loose_acc"], "IFEval's instruction checkers are not ported")
 
@@ -226,6 +226,9 @@ class LightevalTaskConfig(TaskConfig):
         for field in ignored:
             _warn_ignored(name, field)
         metrics, unsupported = _metrics(name, metrics)
+        if not metrics and not unsupported:  # inspect-ai tasks may score only through their `scorer`
+            unsupported.append("it names no metrics (lighteval >= 0.11 tasks may score only through an inspect-ai "
+                               "`scorer`, which nano_eval does not run)")
         if hf_data_files is not None:
             unsupported.append("lighteval field `hf_data_files` is not supported (set hf_repo to the local data "
                                "file or folder instead)")
@@ -305,7 +308,7 @@ __all__ = [
     "UnsupportedAdapter", "alghafa_adapter", "ceval_adapter", "enem_adapter", "get_m3exam_adapter", "get_mkqa_adapter",
     "thai_exams_adapter", "winogrand_adapter", "xcodah_adapter",
     # lighteval.utils.*, lighteval.tasks.default_prompts
-    "LETTER_INDICES", "Language", "as_list", "is_package_available", "iso_639_3_ind_to_iso_639_3_macro",
+    "LETTER_INDICES", "MMLU_SUBSETS", "Language", "as_list", "is_package_available", "iso_639_3_ind_to_iso_639_3_macro",
     "manage_duplicate_language_codes", "requires",
     # lighteval.tasks.tasks.<name>.<name>_prompt
     "arc_prompt", "gsm8k_prompt", "hellaswag_prompt", "math_prompt", "mmlu_prompt", "openbookqa_prompt", "piqa_prompt",
