@@ -2,7 +2,7 @@
 
 | lighteval name | computed by |
 | --- | --- |
-| `MatthewsCorrCoef`, `CorpusLevelF1Score` | scikit-learn (`matthews_corrcoef`, `f1_score`) |
+| `MatthewsCorrCoef`, `CorpusLevelF1Score` | a few lines, equal to scikit-learn's `matthews_corrcoef` / `f1_score` |
 | `CorpusLevelTranslationMetric` (bleu, chrf, chrf++, ter) | sacrebleu's corpus scores |
 | `ROUGE` | Google's rouge-score |
 | `BLEU` (sentence BLEU-n) | nltk's `sentence_bleu` |
@@ -20,6 +20,7 @@ import importlib
 import math
 import re
 import sys
+from collections import Counter
 from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
@@ -135,16 +136,42 @@ def _first(x):
     return as_list(x)[0]
 
 
+def matthews_corrcoef(golds: list, preds: list) -> float:
+    """Multiclass Matthews correlation (Gorodkin's R_K, scikit-learn's definition; 0 when undefined)."""
+    labels = sorted(set(golds) | set(preds), key=str)
+    true, pred = Counter(golds), Counter(preds)
+    n, correct = len(golds), sum(g == p for g, p in zip(golds, preds))
+    cov_tp = correct * n - sum(true[k] * pred[k] for k in labels)
+    cov_tt, cov_pp = n * n - sum(true[k] ** 2 for k in labels), n * n - sum(pred[k] ** 2 for k in labels)
+    return 0.0 if cov_tt * cov_pp == 0 else cov_tp / math.sqrt(cov_tt * cov_pp)
+
+
+def f1_scores(golds: list, preds: list, average: str | None):
+    """scikit-learn's multiclass `f1_score` (zero where undefined): per label (sorted) when average is None, else
+    their "macro" mean, support-"weighted" mean, or the "micro" F1 of all decisions (the accuracy)."""
+    labels = sorted(set(golds) | set(preds), key=str)
+    hits = Counter(g for g, p in zip(golds, preds) if g == p)
+    true, pred = Counter(golds), Counter(preds)
+    per_label = [2 * hits[k] / (true[k] + pred[k]) if true[k] + pred[k] else 0.0 for k in labels]
+    if average is None:
+        return per_label
+    if average == "macro":
+        return float(np.mean(per_label))
+    if average == "weighted":
+        return float(sum(f * true[k] for f, k in zip(per_label, labels)) / len(golds))
+    return sum(hits.values()) / len(golds)
+
+
 class MatthewsCorrCoef(CorpusLevelComputation):
-    """scikit-learn's Matthews correlation between the first gold index and the predicted index of each document."""
+    """Matthews correlation between the first gold index and the predicted index of each document (as scikit-learn's
+    `matthews_corrcoef`, which the tests compare it with; written out so bootstrapping its stderr stays cheap)."""
 
     def compute_corpus(self, items: list) -> float:
-        metrics = require("sklearn.metrics", "scikit-learn")
-        return float(metrics.matthews_corrcoef([_first(i[0]) for i in items], [_first(i[1]) for i in items]))
+        return matthews_corrcoef([_first(i[0]) for i in items], [_first(i[1]) for i in items])
 
 
 class CorpusLevelF1Score(CorpusLevelComputation):
-    """scikit-learn's F1 between first golds and first predictions (indices or strings).
+    """F1 between first golds and first predictions (indices or strings), as scikit-learn's `f1_score`.
 
     average None: the best per-class F1 (lighteval's `loglikelihood_f1`); "macro" / "micro" / "weighted": that
     average. num_classes > 2: the mean over classes i = 0..num_classes-1 of the F1 of "is class i" (`mf1`)."""
@@ -155,35 +182,46 @@ class CorpusLevelF1Score(CorpusLevelComputation):
         self.average, self.num_classes = average, num_classes
 
     def compute_corpus(self, items: list) -> float:
-        metrics = require("sklearn.metrics", "scikit-learn")
         golds, preds = [_first(i[0]) for i in items], [_first(i[1]) for i in items]
         if self.num_classes == 2:
-            return float(np.max(metrics.f1_score(golds, preds, average=self.average)))
-        return float(np.mean([metrics.f1_score([g == c for g in golds], [p == c for p in preds], average=self.average)
+            return float(np.max(f1_scores(golds, preds, self.average)))
+        return float(np.mean([f1_scores([g == c for g in golds], [p == c for p in preds], self.average)
                               for c in range(self.num_classes)]))
 
 
 class CorpusLevelTranslationMetric(CorpusLevelComputation):
     """sacrebleu's corpus BLEU / chrF / chrF++ / TER of each document's first prediction against its first gold
-    (`lang` "zh", "ja" or "ko" selects sacrebleu's tokenizer for BLEU and Asian support for TER)."""
+    (`lang` "zh", "ja" or "ko" selects sacrebleu's tokenizer for BLEU and Asian support for TER).
+
+    Each (prediction, gold) pair's sufficient statistics are computed once and summed per corpus, as sacrebleu's
+    corpus_score does, so the bootstrapped stderr re-sums statistics instead of re-tokenising."""
 
     def __init__(self, metric_type: str, lang: str = ""):
         if metric_type not in ("bleu", "chrf", "chrf++", "ter"):
             raise ValueError(f"metric_type={metric_type!r}; use 'bleu', 'chrf', 'chrf++' or 'ter'")
         self.metric_type, self.lang = metric_type, lang
+        self._scorer, self._stats = None, {}
 
     def scorer(self):
-        sacrebleu = require("sacrebleu", "sacrebleu")
-        if self.metric_type == "bleu":
-            return sacrebleu.BLEU(trg_lang=self.lang)
-        if self.metric_type == "ter":
-            return sacrebleu.TER(asian_support=bool(self.lang))
-        return sacrebleu.CHRF(word_order=2 if self.metric_type == "chrf++" else 0)
+        if self._scorer is None:
+            sacrebleu = require("sacrebleu", "sacrebleu")
+            if self.metric_type == "bleu":
+                self._scorer = sacrebleu.BLEU(trg_lang=self.lang)
+            elif self.metric_type == "ter":
+                self._scorer = sacrebleu.TER(asian_support=bool(self.lang))
+            else:
+                self._scorer = sacrebleu.CHRF(word_order=2 if self.metric_type == "chrf++" else 0)
+        return self._scorer
 
     def compute_corpus(self, items: list) -> float:
-        preds = [_first(i[1]) if as_list(i[1]) else "" for i in items]
-        refs = [[_first(i[0]) for i in items]]
-        return float(self.scorer().corpus_score(preds, refs).score)
+        pairs = [(_first(i[1]) if as_list(i[1]) else "", _first(i[0])) for i in items]
+        scorer = self.scorer()
+        if not (hasattr(scorer, "_extract_corpus_statistics") and hasattr(scorer, "_aggregate_and_compute")):
+            return float(scorer.corpus_score([p for p, _ in pairs], [[r for _, r in pairs]]).score)
+        for pair in pairs:
+            if pair not in self._stats:
+                self._stats[pair] = scorer._extract_corpus_statistics([pair[0]], [[pair[1]]])[0]
+        return float(scorer._aggregate_and_compute([self._stats[pair] for pair in pairs]).score)
 
 
 class CorpusLevelPerplexityMetric(CorpusLevelComputation):
@@ -287,7 +325,11 @@ class Recall(SampleLevelComputation):
     """1 if a gold is among the k choices with the highest log-probs."""
 
     def __init__(self, k: int):
-        self.recall_depth = k
+        self.k = k
+
+    @property
+    def recall_depth(self) -> int:  # lighteval's attribute name; `sample_params={"k": 2}` sets k
+        return self.k
 
     def compute(self, doc: Doc, model_response: ModelResponse, **kwargs) -> int:
         logprobs = np.asarray(model_response.logprobs[: len(doc.choices)])
