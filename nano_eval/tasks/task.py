@@ -69,7 +69,7 @@ class Task:
             raise UnsupportedTaskError(
                 f"task {self.name!r} cannot run in nano_eval: {'; '.join(reasons)}. Fix: leave this task out of "
                 "--tasks (the other tasks of its file run), or replace what is named with a supported equivalent "
-                "(README: \"lighteval features\").", task=self.name)
+                "(README: \"Port a lighteval task file\").", task=self.name)
 
     @property
     def metrics(self) -> list:
