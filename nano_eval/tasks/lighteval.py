@@ -2,15 +2,17 @@
 
     from nano_eval.tasks.lighteval import LightevalTaskConfig, Doc, Metrics, LogProbCharNorm, helm_normalizer
 
-Everything a task file imports from `lighteval.tasks.lighteval_task`, `lighteval.tasks.requests`,
-`lighteval.metrics.metrics`, `lighteval.metrics.normalizations`, `lighteval.metrics.utils.metric_utils`,
-`lighteval.models.model_output`, and the eight prompt functions of `lighteval.tasks.tasks.*` that lighteval's nanotron
-example imports (nano_eval.tasks.lighteval_prompts), is here under the same name (see `__all__`).
+Everything task files import from `lighteval.*` that can run offline is here under the same name (see `__all__`):
+the task config, `Doc` and `ModelResponse`; the metric records and the whole `Metrics` catalogue
+(nano_eval.metrics.lighteval, library-backed scores in nano_eval.metrics.lighteval_scores); normalisers; the
+templates, formulations and `Language` of the multilingual files (nano_eval.tasks.lighteval_templates,
+nano_eval.tasks.languages); lighteval's prompt functions that files import from `lighteval.tasks.tasks.*`
+(nano_eval.tasks.lighteval_prompts); and its small helpers (`as_list`, `LETTER_INDICES`, `requires`, ...).
 `LightevalTaskConfig` takes lighteval's arguments in lighteval's order with its defaults and builds a nano_eval
 `TaskConfig`:
 
 - `metrics`: `Metrics` members (parametrised or not), lighteval metric records (grouped ones become one metric per
-  name) or nano_eval metric names; two metrics with one name are an error naming both.
+  name) or nano_eval metric names.
 - `metric` (lighteval < 0.8's name of `metrics`, still in its nanotron example) is read as `metrics`.
 - `generation_size=-1` means the model's default (None); `num_samples` (a list in lighteval) becomes its maximum.
 - `few_shots_select`: "random_sampling" and "random_sampling_from_train" are nano_eval's "random" (a fresh sample per
@@ -18,10 +20,11 @@ example imports (nano_eval.tasks.lighteval_prompts), is here under the same name
   examples picked are nano_eval's deterministic choice, not lighteval's.
 - inspect-ai fields (`solver`, `scorer`, `sample_fields`, `sample_to_fewshot`, `filter`) and `num_fewshots` (the spec
   gives the shots) are accepted and ignored, with one warning per field and process.
-- What nano_eval cannot do fails at once with the field named: `hf_data_files`, `output_regex`, a metric with
-  `batched_compute`, `Metrics` members it lacks (the error lists the ones it has); `generation_grammar` (constrained
-  decoding; `TextGenerationInputGrammarType` is importable so such files load) fails when the task's requests are
-  built.
+- What nano_eval cannot run never stops the file: a metric it cannot compute (`UnsupportedMetric` members, LLM
+  judges, `batched_compute`), two metrics with one result name, `hf_data_files`, `output_regex`, `generation_grammar`,
+  a template for a language without prompt words: each is recorded in the config's `unsupported`, the task lists,
+  and it stops with those reasons (UnsupportedTaskError) only when it is selected. A misspelt field or a `Metrics`
+  member lighteval does not have either is an error at once.
 - Files written for lighteval >= 0.11 also import inspect-ai (`Sample`, `choice`, `multiple_choice`, ...) for the
   `solver`/`scorer`/`sample_fields` fields: keep those imports with inspect-ai installed (the fields are ignored) or
   delete the imports and the fields.
