@@ -19,7 +19,7 @@ from nano_eval.tasks.lighteval import (CFFormulation, Doc, HybridFormulation, La
                                        ModelResponse, get_boolq_prompt_function, get_continuation_prompt_function,
                                        get_copa_prompt_function, get_hellaswag_prompt_function,
                                        get_mcq_prompt_function, get_nli_prompt_function, get_qa_prompt_function,
-                                       to_nano_metrics)
+                                       get_translation_prompt_function, to_nano_metrics)
 
 FILES = Path(__file__).parent / "lighteval_tasks"
 CATALOGUE, MULTILINGUAL = FILES / "catalogue_tasks.py", FILES / "multilingual_tasks.py"
@@ -280,7 +280,7 @@ def test_multiple_choice_formulations_give_lightevals_formats():
     assert d.choices == [" Paris", " Lyon."]
     d = mcq(Language.CHINESE, MCFFormulation("Numbers"), {"question": "一加一?", "choices": ["二", "三"], "gold_idx": 1})
     assert d.query == "问题：一加一？\n1。二\n2。三\n答案：" and d.choices == ["1", "2"]
-    refused = get_mcq_prompt_function(Language.SWAHILI, lambda line: line)
+    refused = get_mcq_prompt_function(Language.YORUBA, lambda line: line)
     assert "no prompt words for that language" in refused.unsupported_reason
 
 
@@ -313,15 +313,22 @@ def test_qa_boolq_copa_nli_continuation_and_hellaswag_templates():
          "continuations": ["fries them.", "sings [title] loudly."], "gold_idx": 0}, "t")
     # endings continue "...Then he": lower-case first letter; "[title]" becomes a full stop
     assert hs.query == "Cooking:\nA man cuts onions. Then he\n A. fries them.\n B. sings. loudly.\nAnswer:"
+    # translation: only punctuation comes from the languages, so it works for languages without prompt words too
+    fr_en = get_translation_prompt_function(Language.FRENCH, Language.ENGLISH, {"source_text": "fr", "target_text": "en"},
+                                            CFFormulation())({"fr": "le chat dort.", "en": "the cat sleeps."}, "t")
+    assert (fr_en.query, fr_en.choices, fr_en.gold_index) == ("FR: Le chat dort. EN:", [" The cat sleeps."], [0])
+    yo_zh = get_translation_prompt_function(Language.YORUBA, Language.CHINESE, lambda r: r, CFFormulation())(
+        {"source_text": "ologbo?", "target_text": ["猫.", "一只猫."]}, "t")
+    assert (yo_zh.query, yo_zh.choices) == ("YO: Ologbo? ZH:", [" 猫。", " 一只猫。"])
 
 
 def test_multilingual_template_file_loads_and_scores(toy_backend, mirror):
     registry = Registry(MULTILINGUAL)
     names = registry.list_tasks()["custom"]
-    assert len(names) == 15 and "quiz_fra_mcf:general_knowledge" in names and "quiz_swa_cf:general_knowledge" in names
-    with pytest.raises(UnsupportedTaskError, match="quiz_swa_mcf.*Language.SWAHILI: no prompt words"):
-        load_tasks("custom|quiz_swa_mcf:general_knowledge|0", custom_tasks=MULTILINGUAL, data_dir=mirror)
-    specs = ",".join(f"custom|{n}|{1 if n.startswith('quiz_fra') else 0}" for n in names if "_swa_" not in n)
+    assert len(names) == 15 and "quiz_fra_mcf:general_knowledge" in names and "quiz_yor_cf:general_knowledge" in names
+    with pytest.raises(UnsupportedTaskError, match="quiz_yor_mcf.*Language.YORUBA: no prompt words"):
+        load_tasks("custom|quiz_yor_mcf:general_knowledge|0", custom_tasks=MULTILINGUAL, data_dir=mirror)
+    specs = ",".join(f"custom|{n}|{1 if n.startswith('quiz_fra') else 0}" for n in names if "_yor_" not in n)
     tasks = load_tasks(specs, custom_tasks=MULTILINGUAL, data_dir=mirror)
     results = Evaluator(toy_backend, tasks, EvalConfig(progress=False)).evaluate()
     assert not results.failed and len(results.tasks) == 12

@@ -107,6 +107,37 @@ TRANSLATION_LITERALS: dict[Language, TranslationLiterals] = {
     Language.CHINESE: _words(Language.CHINESE, "问题", "答案", "是", "否", "正确", "错误", "都不是", "因为", "所以",
                              "或", "和", "也", "对吗", full_stop="。", comma="，", question_mark="？",
                              exclamation_mark="！", word_space="", sentence_space="", colon="：", semicolon="；"),
+    Language.JAPANESE: _words(Language.JAPANESE, "質問", "答え", "はい", "いいえ", "正しい", "間違い", "どちらでもない",
+                              "なぜなら", "したがって", "または", "と", "また", "ですよね", full_stop="。", comma="、",
+                              question_mark="？", exclamation_mark="！", word_space="", sentence_space="", colon="：",
+                              semicolon="；"),
+    Language.KOREAN: _words(Language.KOREAN, "질문", "답변", "예", "아니요", "참", "거짓", "둘 다 아님", "왜냐하면",
+                            "따라서", "또는", "그리고", "또한", "맞죠"),
+    Language.ARABIC: _words(Language.ARABIC, "سؤال", "إجابة", "نعم", "لا", "صحيح", "خطأ", "لا هذا ولا ذاك", "لأن",
+                            "لذلك", "أو", "و", "أيضا", "أليس كذلك", comma="،", question_mark="؟", semicolon="؛",
+                            indices=["أ", "ب", "ج", "د", "هـ", "و", "ز", "ح"]),
+    Language.PERSIAN: _words(Language.PERSIAN, "پرسش", "پاسخ", "بله", "خیر", "درست", "نادرست", "هیچکدام", "زیرا",
+                             "بنابراین", "یا", "و", "همچنین", "درسته", comma="،", question_mark="؟", semicolon="؛"),
+    Language.HINDI: _words(Language.HINDI, "प्रश्न", "उत्तर", "हाँ", "नहीं", "सही", "गलत", "कोई नहीं", "क्योंकि",
+                           "इसलिए", "या", "और", "भी", "है ना", full_stop="।"),
+    Language.BENGALI: _words(Language.BENGALI, "প্রশ্ন", "উত্তর", "হ্যাঁ", "না", "সত্য", "মিথ্যা", "কোনোটিই না", "কারণ",
+                             "তাই", "অথবা", "এবং", "এছাড়াও", "তাই না", full_stop="।"),
+    Language.INDONESIAN: _words(Language.INDONESIAN, "pertanyaan", "jawaban", "ya", "tidak", "benar", "salah",
+                                "bukan keduanya", "karena", "oleh karena itu", "atau", "dan", "juga", "bukan"),
+    Language.TURKISH: _words(Language.TURKISH, "soru", "cevap", "evet", "hayır", "doğru", "yanlış", "hiçbiri", "çünkü",
+                             "bu yüzden", "veya", "ve", "ayrıca", "değil mi"),
+    Language.SWAHILI: _words(Language.SWAHILI, "swali", "jibu", "ndiyo", "hapana", "kweli", "si kweli", "hakuna",
+                             "kwa sababu", "kwa hiyo", "au", "na", "pia", "sivyo"),
+    Language.VIETNAMESE: _words(Language.VIETNAMESE, "câu hỏi", "trả lời", "có", "không", "đúng", "sai",
+                                "không cái nào", "bởi vì", "do đó", "hoặc", "và", "cũng", "phải không"),
+    Language.POLISH: _words(Language.POLISH, "pytanie", "odpowiedź", "tak", "nie", "prawda", "fałsz", "żadne",
+                            "ponieważ", "dlatego", "lub", "i", "również", "prawda"),
+    Language.UKRAINIAN: _words(Language.UKRAINIAN, "питання", "відповідь", "так", "ні", "правда", "неправда", "жодне",
+                               "тому що", "тому", "або", "і", "також", "чи не так"),
+    Language.CZECH: _words(Language.CZECH, "otázka", "odpověď", "ano", "ne", "pravda", "nepravda", "ani jedno",
+                           "protože", "proto", "nebo", "a", "také", "že"),
+    Language.SWEDISH: _words(Language.SWEDISH, "fråga", "svar", "ja", "nej", "sant", "falskt", "ingetdera", "eftersom",
+                             "därför", "eller", "och", "också", "eller hur"),
 }
 LITERAL_LANGUAGES = tuple(TRANSLATION_LITERALS)
 
@@ -489,9 +520,52 @@ def get_nli_prompt_function(language: Language, adapter, relations: list[str],
     return nli_mcq
 
 
-def get_translation_prompt_function(*args, **kwargs):
-    """lighteval's translation template: not ported (it needs language-pair wording); its tasks refuse to run."""
-    return UnsupportedPrompt("template translation: lighteval's translation template is not ported to nano_eval")
+# ISO 639-1 codes of the languages that have one: translation prompts label texts with the shortest tag ("EN", as
+# BCP 47 writes it); a language without one keeps its three letters ("ACE").
+ISO_639_1 = dict(pair.split(":") for pair in (
+    "afr:af aka:ak sqi:sq amh:am ara:ar hye:hy asm:as aze:az bam:bm bak:ba eus:eu bel:be ben:bn bos:bs bre:br bul:bg "
+    "mya:my cat:ca nya:ny zho:zh hrv:hr ces:cs dan:da nld:nl eng:en epo:eo est:et ewe:ee fao:fo fij:fj fin:fi fra:fr "
+    "glg:gl lug:lg kat:ka deu:de ell:el grn:gn guj:gu hat:ht hau:ha heb:he hin:hi hun:hu isl:is ibo:ig ind:id gle:ga "
+    "ita:it jpn:ja jav:jv kan:kn kaz:kk khm:km kin:rw kir:ky kor:ko kur:ku lao:lo lat:la lav:lv lin:ln lit:lt ltz:lb "
+    "mkd:mk mlg:mg msa:ms mal:ml mlt:mt mri:mi mar:mr mon:mn nep:ne nor:no nob:nb nno:nn oci:oc ori:or orm:om pus:ps "
+    "fas:fa pol:pl por:pt pan:pa que:qu ron:ro rus:ru san:sa gla:gd srp:sr sna:sn snd:sd sin:si slk:sk slv:sl som:so "
+    "sot:st spa:es sun:su swa:sw swe:sv tgl:tl tgk:tg tam:ta tat:tt tel:te tha:th bod:bo tir:ti tsn:tn tur:tr tuk:tk "
+    "twi:tw ukr:uk urd:ur uig:ug uzb:uz vie:vi cym:cy wol:wo xho:xh yid:yi yor:yo zul:zu").split())
+
+
+def language_label(language: Language) -> str:
+    """"EN" for English, "ACE" for Acehnese: the language's shortest code, upper case."""
+    code = language.value.split("_")[0]
+    return ISO_639_1.get(code, code).upper()
+
+
+def get_translation_prompt_function(source_language: Language, target_language: Language, adapter,
+                                    formulation: Formulation = MCFFormulation()):
+    """Translation as continuation: "{SRC}: {Source text} {TGT}:" completed by the target text(s) (each capitalised,
+    its final punctuation the target language's). Adapter keys: source_text, target_text (one or several), optional
+    gold_idx (default: every target) and instruction. Only punctuation is taken from the languages' literals (the
+    defaults for a language nano_eval has no words for)."""
+    if getattr(adapter, "unsupported_reason", None):
+        return UnsupportedPrompt(adapter.unsupported_reason)
+    inner = get_continuation_prompt_function(Language.ENGLISH, {"context": "context", "continuations": "continuations",
+                                                                "gold_idx": "gold_idx", "instruction": "instruction"},
+                                             formulation, fix_formatting=False)
+    source = TRANSLATION_LITERALS.get(source_language) or TranslationLiterals(source_language)
+    target = TRANSLATION_LITERALS.get(target_language) or TranslationLiterals(target_language)
+    labels = language_label(source_language), language_label(target_language)
+    adapter_fn = create_adapter_from_dict(adapter)
+
+    def translation_prompt(line: dict, task_name: str | None = None):
+        data = adapter_fn(line)
+        if data is None:
+            return None
+        text = capitalize(fix_ending_punct(data["source_text"], source))
+        targets = [capitalize(fix_ending_punct(t, target)) for t in as_list(data["target_text"])]
+        return inner({"instruction": data.get("instruction", ""), "context": f"{labels[0]}: {text} {labels[1]}:",
+                      "continuations": targets, "gold_idx": data.get("gold_idx", list(range(len(targets))))},
+                     task_name)
+
+    return translation_prompt
 
 
 __all__ = [
@@ -500,5 +574,5 @@ __all__ = [
     "create_adapter_from_dict", "decapitalize", "fix_capitalization", "fix_ending_punct", "get_boolq_prompt_function",
     "get_continuation_prompt_function", "get_copa_prompt_function", "get_hellaswag_prompt_function",
     "get_mcq_prompt_function", "get_nli_prompt_function", "get_prefix", "get_qa_prompt_function",
-    "get_translation_prompt_function", "hellaswag_preprocess", "punctuation_ends_sentence",
+    "get_translation_prompt_function", "hellaswag_preprocess", "language_label", "punctuation_ends_sentence",
 ]

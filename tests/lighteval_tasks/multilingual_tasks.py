@@ -19,7 +19,7 @@ Only the imports differ from a lighteval file; in lighteval they read:
     from lighteval.utils.imports import is_package_available
     from lighteval.utils.language import Language
 
-The Swahili task has no prompt words in nano_eval: it lists, and refuses to run when selected.
+The Yoruba tasks has no prompt words in nano_eval: it lists, and refuses to run when selected.
 """
 
 from nano_eval.tasks.lighteval import (LETTER_INDICES, CFFormulation, HybridFormulation, Language, LightevalTaskConfig,
@@ -55,7 +55,7 @@ mcq_tasks = [
         few_shots_split="dev",
         metrics=get_metrics_for_formulation(formulation, CHOICE_METRICS),
     )
-    for language in [Language.FRENCH, Language.ENGLISH, Language.SWAHILI]
+    for language in [Language.FRENCH, Language.ENGLISH, Language.YORUBA]
     for formulation in [MCFFormulation(), CFFormulation(), HybridFormulation()]
 ]
 
