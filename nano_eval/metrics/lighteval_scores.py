@@ -420,31 +420,30 @@ class IndicesExtractionConfig:
         return f"IndicesExtractionConfig(prefix_for_extraction={self.prefix_for_extraction!r})"
 
 
-def extraction_configs():
-    """math-verify's (ExprExtractionConfig, LatexExtractionConfig), or two stand-ins that only record their arguments
-    when math-verify is not installed (task files still load; computing the metric then asks for the extra)."""
-    try:
-        from math_verify import ExprExtractionConfig, LatexExtractionConfig
-    except ImportError:
-        class ExprExtractionConfig:  # noqa: N801 - math-verify's names
-            def __init__(self, **kwargs):
-                self.kwargs = kwargs
+class ExprExtractionConfig:
+    """math-verify's `ExprExtractionConfig` (plain expressions such as "1/2"), recorded with its arguments and built
+    when the metric is computed, so files import it without loading math-verify (and sympy)."""
 
-        class LatexExtractionConfig(ExprExtractionConfig):
-            pass
-    return ExprExtractionConfig, LatexExtractionConfig
+    def __init__(self, **kwargs):
+        self.kwargs = kwargs
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self.kwargs.items())})"
 
 
-ExprExtractionConfig, LatexExtractionConfig = extraction_configs()
+class LatexExtractionConfig(ExprExtractionConfig):
+    """math-verify's `LatexExtractionConfig` (LaTeX answers, `\\boxed{}` first with boxed_match_priority=0), recorded."""
 
 
 def _real_config(config):
-    """A math-verify config for `config` (rebuilt when it was made before math-verify was importable)."""
-    real_expr, real_latex = extraction_configs()
-    if isinstance(config, (real_expr, real_latex)):
-        return config
-    cls = real_latex if type(config).__name__ == "LatexExtractionConfig" else real_expr
-    return cls(**getattr(config, "kwargs", {}))
+    """The math-verify config for `config` (one of the records above, or already math-verify's own)."""
+    import math_verify
+
+    if isinstance(config, LatexExtractionConfig):
+        return math_verify.LatexExtractionConfig(**config.kwargs)
+    if isinstance(config, ExprExtractionConfig):
+        return math_verify.ExprExtractionConfig(**config.kwargs)
+    return config
 
 
 class MultilingualExtractiveMatchMetric(SampleLevelComputation):
