@@ -75,10 +75,14 @@ def mirror(tmp_path_factory) -> Path:
 # ---------------------------------------------------------------- files with metrics nano_eval cannot compute
 
 
-def test_file_with_an_unsupported_metric_lists_every_task_and_runs_the_others(toy_backend, mirror):
+def test_file_with_an_unsupported_metric_lists_every_task_and_runs_the_others(toy_backend, mirror, capsys):
     registry = Registry(CATALOGUE)
     assert registry.list_tasks()["custom"] == ["aliases", "math", "sentiment", "sentiment:bertscore", "translation",
                                                "truthfulqa:mc"]
+    registry.print_tasks(["custom"])
+    listed = capsys.readouterr().out
+    assert "  custom|sentiment:bertscore  (cannot run in nano_eval: metric `Metrics.bert_score`: it scores" in listed
+    assert "  custom|sentiment\n" in listed
     with pytest.raises(UnsupportedTaskError, match=r"task 'custom\|sentiment:bertscore' cannot run in nano_eval: "
                                                    r"metric `Metrics.bert_score`: it scores with a neural model"):
         load_tasks("custom|sentiment:bertscore|0", custom_tasks=CATALOGUE, data_dir=mirror)
