@@ -582,7 +582,8 @@ class _GroupMemo:
 
 def _extras(fn) -> dict:
     extras = {}
-    if isinstance(getattr(fn, "logprob_normalization", None), LogProbPMINorm):
+    normalizations = [getattr(fn, a, None) for a in ("logprob_normalization", "normalization", "log_prob_normalization")]
+    if any(isinstance(n, LogProbPMINorm) for n in normalizations):
         extras["needs_unconditioned"] = True
     if hasattr(fn, "num_samples") and callable(fn.num_samples):
         extras["num_samples"] = fn.num_samples()
