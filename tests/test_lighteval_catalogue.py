@@ -254,6 +254,14 @@ def test_ranking_metrics_and_refusals_by_name():
     assert metric(Metrics.mrr).compute(doc, response) == 0.5
     assert metric(Metrics.recall_at_k).compute(doc, response) == 0
     assert metric(Metrics.recall_at_k, k=2).compute(doc, response) == 1
+    from nano_eval.tasks.lighteval import LogProbPMINorm, NormalizedMultiChoiceProbMetric, ProbabilityMetric
+
+    [prob] = to_nano_metrics(ProbabilityMetric())
+    assert prob.compute(doc, response) == pytest.approx(math.exp(-2.0))
+    [share] = to_nano_metrics(NormalizedMultiChoiceProbMetric())
+    assert share.compute(doc, response) == pytest.approx(math.exp(-2) / (math.exp(-1) + math.exp(-3) + math.exp(-2)))
+    [pmi] = to_nano_metrics(ProbabilityMetric(LogProbPMINorm()))
+    assert pmi.name == "prob_norm_pmi" and pmi.needs_unconditioned
     for member, why in [(Metrics.simpleqa_judge, "LLM judge"), (Metrics.bleurt, "neural model"),
                         (Metrics.gpqa_instruct_metric, "letter answers"), (Metrics.g_pass_at_k, "not ported")]:
         with pytest.raises(ValueError, match=f"metric `Metrics.{member.name}`: .*{why}"):
