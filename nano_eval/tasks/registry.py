@@ -145,14 +145,17 @@ class Registry:
         return out
 
     def print_tasks(self, suites: Iterable[str] | None = None) -> None:
-        """Every task, suite by suite, then the supersets of each suite (a spec naming one runs all its tasks)."""
+        """Every task, suite by suite (a task nano_eval cannot run says why), then the supersets of each suite (a spec
+        naming one runs all its tasks)."""
         groups = self.supersets()
         for suite, tasks in self.list_tasks().items():
             if suites is not None and suite not in suites:
                 continue
             print(f"{suite} ({len(tasks)} tasks)")
             for task in tasks:
-                print(f"  {suite}|{task}")
+                refused = self._configs[f"{suite}|{task}"].unsupported
+                note = f"  (cannot run in nano_eval: {refused[0]})" if refused else ""
+                print(f"  {suite}|{task}{note}")
             mine = {name: members for name, members in groups.items() if name.split("|", 1)[0] == suite}
             if mine:
                 print(f"{suite} supersets (a spec naming one runs all its tasks)")

@@ -46,7 +46,13 @@ class Doc:
         return list(self.gold_index) if isinstance(self.gold_index, (list, tuple)) else [self.gold_index]
 
     def golds(self) -> list[str]:
-        return [self.choices[i] for i in self.gold_indices()]
+        """The gold choices; a choice that is itself a list (several accepted answers, e.g. TriviaQA's aliases)
+        contributes each of its items, as in lighteval."""
+        out: list[str] = []
+        for i in self.gold_indices():
+            choice = self.choices[i]
+            out += list(choice) if isinstance(choice, (list, tuple)) else [choice]
+        return out
 
     def get_golds(self) -> list[str]:
         """lighteval's name for `golds()`."""

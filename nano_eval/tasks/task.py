@@ -20,7 +20,7 @@ from typing import Iterable
 
 from tqdm import tqdm
 
-from nano_eval.errors import BadDocumentError, NanoEvalError
+from nano_eval.errors import BadDocumentError, NanoEvalError, UnsupportedTaskError
 from nano_eval.tasks.config import TaskConfig
 from nano_eval.tasks.loading import load_split
 from nano_eval.tasks.prompt import PromptManager, doc_identity
@@ -62,8 +62,18 @@ class Task:
     def __repr__(self) -> str:
         return f"Task({self.name!r})"
 
+    def refuse_if_unsupported(self) -> None:
+        """Stop here, naming the task and each reason, when its config uses what nano_eval cannot run."""
+        reasons = self.config.unsupported
+        if reasons:
+            raise UnsupportedTaskError(
+                f"task {self.name!r} cannot run in nano_eval: {'; '.join(reasons)}. Fix: leave this task out of "
+                "--tasks (the other tasks of its file run), or replace what is named with a supported equivalent "
+                "(README: \"Port a lighteval task file\").", task=self.name)
+
     @property
     def metrics(self) -> list:
+        self.refuse_if_unsupported()
         if self._metrics is None:
             try:
                 self._metrics = [resolve_metric(m) for m in self.config.metrics]
@@ -122,6 +132,7 @@ class Task:
 
     def eval_docs(self) -> list[Doc]:
         """Docs of all evaluation splits in dataset order (deduplicated if the config asks for it)."""
+        self.refuse_if_unsupported()
         docs = [d for split in self.config.evaluation_splits for d in self.split_docs(split)]
         if self.config.must_remove_duplicate_docs:
             seen: set = set()
@@ -134,9 +145,11 @@ class Task:
         return sum(self.skipped.get(s, 0) for s in self.config.evaluation_splits)
 
     def get_first_possible_fewshot_splits(self, available_splits=None, number_of_splits: int = 1) -> list[str] | None:
-        """The config's few_shots_split, else the first of train > validation > test that the dataset has."""
-        if self.config.few_shots_split is not None:
-            return [self.config.few_shots_split]
+        """The config's few_shots_split (one split or several, used in order), else the first of train > validation
+        > test that the dataset has."""
+        split = self.config.few_shots_split
+        if split is not None:
+            return list(split) if isinstance(split, tuple) else [split]
         available = self.config.hf_avail_splits if available_splits is None else available_splits
         splits = [s for s in FEWSHOT_SPLIT_PREFERENCE if s in available][:number_of_splits]
         return splits or None
