@@ -4,7 +4,7 @@ A local folder is untrusted input (untrusted.py): it is walked once (no symlink 
 parsed with bounds, an index may only name shard files of the folder, safetensors headers are checked, and the
 model its config.json declares must fit the bytes of its weight files and the allocation limit (counted on a
 meta-device model) before transformers builds anything. `pytorch_model.bin` files are read by nano_eval's own
-torch.save reader (pickles.py) and handed to transformers as a state dict, so transformers never unpickles them.
+torch.save reader (torch_files.py) and handed to transformers as a state dict, so transformers never unpickles them.
 A checkpoint's own Python code (trust_remote_code) stays off unless asked for.
 """
 
@@ -18,7 +18,8 @@ import torch
 from nano_eval.backends.transformers import TransformersModel
 from nano_eval.checkpoints.files import check_safetensors, load_tokenizer, read_json_file
 from nano_eval.checkpoints.llama import check_config_size
-from nano_eval.checkpoints.pickles import TENSORS, load_torch
+from nano_eval.checkpoints.pickles import TENSORS
+from nano_eval.checkpoints.torch_files import load_torch
 from nano_eval.checkpoints.untrusted import CheckpointFileError, FilePolicy, Folder
 from nano_eval.errors import NanoEvalError
 from nano_eval.parallel import ParallelLayout

@@ -8,14 +8,16 @@ from argparse import Namespace
 from collections.abc import Mapping
 from pathlib import Path
 
-from nano_eval.checkpoints.pickles import MEGATRON, load_torch
+from nano_eval.checkpoints.pickles import MEGATRON
+from nano_eval.checkpoints.torch_files import load_torch
 from nano_eval.checkpoints.untrusted import CheckpointFileError
 from nano_eval.errors import NanoEvalError
 
 
 def load_shard(path: Path) -> dict:
     """One torch.save'd Megatron file (`model_optim_rng.pt`, `common.pt`) as read by nano_eval's own reader
-    (checkpoints/pickles.py: nothing in it is imported or run; enums, numpy RNG state and paths stay opaque)."""
+    (checkpoints/torch_files.py + pickles.py: nothing in it is imported or run; enums, numpy RNG state and paths
+    stay opaque)."""
     loaded = load_torch(path, MEGATRON)
     if not isinstance(loaded, dict):
         raise CheckpointFileError(path, f"holds a {type(loaded).__name__}, not the dict Megatron saves",

@@ -32,7 +32,8 @@ import torch.distributed as dist
 
 from nano_eval.checkpoints.megatron_args import LLAMA_STYLE, args_dict, check_model_size, hf_config_from_args, load_shard
 from nano_eval.checkpoints.megatron_model import build_gpt_model
-from nano_eval.checkpoints.pickles import TENSORS, dcp_index, load_torch, unpickle
+from nano_eval.checkpoints.pickles import TENSORS, dcp_index, unpickle
+from nano_eval.checkpoints.torch_files import load_torch
 from nano_eval.checkpoints.untrusted import CONFIG_BYTES, CheckpointFileError, FilePolicy, Folder
 from nano_eval.errors import NanoEvalError
 

@@ -11,24 +11,20 @@ builds allow-listed classes, runs BUILD on enum members and trusts the sizes a f
   Every other name is refused.
 - **BUILD only fills fresh objects of listed types** (argument namespaces, the metadata dataclasses, by their own
   field names); never a class, an enum member or anything shared.
-- **Tensors come from their own bytes.** A torch.save archive must be an uncompressed zip whose records do not
-  overlap (a zip bomb cannot expand); each storage's record must hold exactly `numel x itemsize` bytes; a tensor view
-  must lie inside its storage and hold no more elements than it (no stride-0 expansion); meta tensors, TorchScript
-  and the pre-1.6 tar format are refused.
+- **Tensors come from their own bytes** (torch_files.py reads each storage from its record): a tensor view must lie
+  inside its storage and hold no more elements than it (no stride-0 expansion); meta, sparse and quantized tensors
+  and tensor subclasses are refused.
 
-`load_torch(path)` reads a whole file, `load_torch(path, offset, length)` a torch.save stream inside a file (a
-torch_dist `.distcp` chunk); `unpickle(data)` a plain pickle. Failures are CheckpointFileError naming the file.
+`unpickle(data, allowed)` reads a plain pickle (torch_dist's `.metadata`); torch_files.py reads torch.save
+archives with it. Failures are CheckpointFileError naming the file.
 """
 
 from __future__ import annotations
 
 import argparse
 import io
-import os
 import pickle
 import re
-import struct
-import zipfile
 from collections import OrderedDict
 from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path, PurePosixPath
@@ -40,8 +36,6 @@ from nano_eval.checkpoints.untrusted import CheckpointFileError
 
 PICKLE_BYTES = 1 << 30  # data.pkl / .metadata: structure only, never the tensors' bytes
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_RECORD_KEY = re.compile(r"^[A-Za-z0-9_]+$")
-_ZIP_LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")
 
 
 class Opaque:
@@ -65,11 +59,11 @@ class CheckpointArgs(argparse.Namespace):
 
 
 @dataclass(frozen=True)
-class _StorageType:
+class StorageType:
     dtype: torch.dtype
 
 
-class _Storage:
+class Storage:
     """A storage read from its record: `data` is a 1-D tensor of `dtype` holding exactly the record's bytes."""
 
     __slots__ = ("data",)
@@ -80,7 +74,7 @@ class _Storage:
 
 def _tensor_view(storage, storage_offset, size, stride, requires_grad=False, backward_hooks=None, metadata=None):
     """torch._utils._rebuild_tensor_v2, checked: the view lies inside its storage and holds no more elements."""
-    if not isinstance(storage, _Storage):
+    if not isinstance(storage, Storage):
         raise pickle.UnpicklingError(f"a tensor's storage is a {type(storage).__name__}")
     ints = (storage_offset, *size, *stride)
     if not (isinstance(size, tuple) and isinstance(stride, tuple) and len(size) == len(stride)
@@ -147,7 +141,7 @@ def _dtype_names() -> dict:
     return {("torch", str(d).removeprefix("torch.")): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
 
 
-_STORAGE_TYPES = {("torch", name): _StorageType(dtype)
+_STORAGE_TYPES = {("torch", name): StorageType(dtype)
                   for dtype, name in torch.storage._dtype_to_storage_type_map().items()
                   if dtype.is_floating_point or dtype.is_complex or dtype in (torch.int64, torch.int32, torch.int16,
                                                                                torch.int8, torch.uint8, torch.bool)}
@@ -202,7 +196,7 @@ def dcp_index() -> Allowed:
     real |= {(m.__name__, "_MEM_FORMAT_ENCODING"): m._MEM_FORMAT_ENCODING,  # enum: calling it looks a member up
              ("torch.serialization", "_get_layout"): _layout, ("pathlib", "PosixPath"): _plain_path,
              ("pathlib", "PurePosixPath"): _plain_path}
-    real |= {k: v for k, v in _TENSOR_NAMES.items() if not isinstance(v, _StorageType) and v is not _tensor_view
+    real |= {k: v for k, v in _TENSOR_NAMES.items() if not isinstance(v, StorageType) and v is not _tensor_view
              and v is not _parameter}
     # megatron-core versions that reformulate N-D tensors record it on the Metadata as `mcore_data` (a plain dict)
     return Allowed(real=real, buildable=classes + (OrderedDict,), extra_fields={m.Metadata: {"mcore_data"}})
@@ -362,149 +356,10 @@ def unpickle(data: bytes, allowed: Allowed, where: str | Path, storage: Callable
     except RecursionError as e:
         raise CheckpointFileError(where, "nests objects deeper than a checkpoint does") from e
     except Exception as e:  # noqa: BLE001 - a refused name, a malformed opcode stream, a bad size: not loadable
-        raise CheckpointFileError(where, f"refused to load ({type(e).__name__}: {_first_line(e)}); nothing in it "
+        raise CheckpointFileError(where, f"refused to load ({type(e).__name__}: {first_line(e)}); nothing in it "
                                   "was run") from e
 
 
-def _first_line(error: BaseException) -> str:
+def first_line(error: BaseException) -> str:
     text = str(error).strip().splitlines()
     return (text[0] if text else repr(error))[:300]
-
-
-# ---- torch.save archives ----------------------------------------------------------------------------------------
-
-class _Window(io.RawIOBase):
-    """Bytes [offset, offset + length) of an open file, as a seekable file of their own."""
-
-    def __init__(self, fh, offset: int, length: int):
-        self.fh, self.offset, self.length, self.pos = fh, offset, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        base = {0: 0, 1: self.pos, 2: self.length}[whence]
-        self.pos = max(0, base + pos)
-        return self.pos
-
-    def tell(self) -> int:
-        return self.pos
-
-    def readinto(self, buffer) -> int:
-        n = max(0, min(len(buffer), self.length - self.pos))
-        self.fh.seek(self.offset + self.pos)
-        got = self.fh.readinto(memoryview(buffer)[:n]) if n else 0
-        self.pos += got
-        return got
-
-
-def load_torch(path: str | Path, allowed: Allowed = TENSORS, *, offset: int = 0, length: int | None = None,
-               where: str | Path | None = None):
-    """The object a torch.save archive holds: the whole file at `path`, or the `length` bytes at `offset` (a
-    torch_dist chunk). Tensors are plain CPU tensors read from the archive's own records (see the module doc)."""
-    path = Path(path)
-    where = where or path
-    size = os.path.getsize(path)
-    length = size - offset if length is None else length
-    if offset < 0 or length < 0 or offset + length > size:
-        raise CheckpointFileError(where, f"declares bytes {offset}..{offset + length} of a {size}-byte file")
-    with path.open("rb") as fh:
-        window = _Window(fh, offset, length)
-        head = window.read(4)
-        window.seek(0)
-        if head[:4] != b"PK\x03\x04":
-            what = "an empty file" if length == 0 else (
-                "the pre-1.6 torch format (a tar or raw pickle)" if head[:1] in (b"\x80", b"q") or length > 262 and
-                _is_tar(window) else "not a torch.save archive (no zip header)")
-            raise CheckpointFileError(where, f"is {what}", "re-save it with torch >= 1.6 (torch.save), or copy the "
-                                      "file again")
-        try:
-            archive = zipfile.ZipFile(window)
-        except (zipfile.BadZipFile, OSError, ValueError, EOFError, struct.error) as e:
-            raise CheckpointFileError(where, f"is a damaged zip archive ({_first_line(e)})") from e
-        with archive:
-            return _read_archive(archive, window, allowed, where, length)
-
-
-def _is_tar(window) -> bool:
-    window.seek(257)
-    magic = window.read(5)
-    window.seek(0)
-    return magic == b"ustar"
-
-
-def _read_archive(archive: zipfile.ZipFile, window: _Window, allowed: Allowed, where, length: int):
-    infos = archive.infolist()
-    pickles = [i for i in infos if i.filename.endswith("/data.pkl") and i.filename.count("/") == 1]
-    if len(pickles) != 1:
-        raise CheckpointFileError(where, "is a zip archive but not one torch.save wrote (no single <name>/data.pkl)")
-    prefix = pickles[0].filename[: -len("data.pkl")]
-    if any(i.filename.startswith((prefix + "code/", prefix + "constants.pkl")) for i in infos):
-        raise CheckpointFileError(where, "is a TorchScript archive (it holds code), not a checkpoint",
-                                  "save the model's state_dict() with torch.save instead")
-    spans = []
-    for info in infos:
-        if info.compress_type != zipfile.ZIP_STORED or info.file_size != info.compress_size:
-            raise CheckpointFileError(where, f"has a compressed record {info.filename} (torch.save never compresses; "
-                                      "a compressed record can expand without bound)")
-        spans.append((_data_start(window, info, where), info.compress_size, info.filename))
-    spans.sort()
-    for (start, n, name), (next_start, _, next_name) in zip(spans, spans[1:]):
-        if start + n > next_start:
-            raise CheckpointFileError(where, f"has overlapping records {name} and {next_name}")
-    if spans and spans[-1][0] + spans[-1][1] > length:
-        raise CheckpointFileError(where, f"has a record {spans[-1][2]} that reaches past the end of the file")
-    starts = {name: (start, n) for start, n, name in spans}
-    byteorder = prefix + "byteorder"
-    if byteorder in starts and archive.read(byteorder) not in (b"little", b""):
-        raise CheckpointFileError(where, "was saved on a big-endian machine", "re-save it on a little-endian one")
-    pkl_start, pkl_len = starts[prefix + "data.pkl"]
-    if pkl_len > PICKLE_BYTES:
-        raise CheckpointFileError(where, f"has a {pkl_len}-byte data.pkl, more than a checkpoint's structure needs")
-    window.seek(pkl_start)
-    data = window.read(pkl_len)
-    loaded: dict[str, _Storage] = {}
-
-    def storage(pid):
-        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
-            raise pickle.UnpicklingError(f"persistent id {pid!r:.80} is not a storage")
-        _, storage_type, key, location, numel = pid
-        if not isinstance(storage_type, _StorageType):
-            raise pickle.UnpicklingError(f"storage type {storage_type!r:.80} is not one a checkpoint uses")
-        if not (isinstance(key, str) and _RECORD_KEY.match(key)) or type(numel) is not int or numel < 0:
-            raise pickle.UnpicklingError(f"storage {key!r:.40} of {numel!r:.40} elements")
-        if not isinstance(location, str) or not location.startswith(("cpu", "cuda", "xpu", "mps", "hpu", "npu")):
-            raise pickle.UnpicklingError(f"storage {key} is on {location!r:.40} (meta or unknown device)")
-        if key in loaded:
-            if loaded[key].data.dtype != storage_type.dtype or loaded[key].data.numel() != numel:
-                raise pickle.UnpicklingError(f"storage {key} is declared twice differently")
-            return loaded[key]
-        record = prefix + "data/" + key
-        if record not in starts:
-            raise pickle.UnpicklingError(f"storage {key} has no record {record}")
-        start, n = starts[record]
-        itemsize = torch.empty((), dtype=storage_type.dtype).element_size()
-        if numel * itemsize != n:
-            raise pickle.UnpicklingError(f"storage {key} declares {numel} x {itemsize} bytes but its record holds {n}")
-        buffer = torch.empty(n, dtype=torch.uint8)
-        window.seek(start)
-        if n and window.readinto(buffer.numpy()) != n:
-            raise pickle.UnpicklingError(f"storage {key} is cut short")
-        loaded[key] = _Storage(buffer.view(storage_type.dtype) if n else torch.empty(0, dtype=storage_type.dtype))
-        return loaded[key]
-
-    return unpickle(data, allowed, where, storage)
-
-
-def _data_start(window: _Window, info: zipfile.ZipInfo, where) -> int:
-    """Where a record's bytes begin: after its local header (whose name and extra field lengths may differ from the
-    central directory's)."""
-    window.seek(info.header_offset)
-    header = window.read(_ZIP_LOCAL_HEADER.size)
-    if len(header) != _ZIP_LOCAL_HEADER.size or header[:4] != b"PK\x03\x04":
-        raise CheckpointFileError(where, f"has a damaged zip entry {info.filename}")
-    name_len, extra_len = struct.unpack("<2H", header[26:30])
-    return info.header_offset + _ZIP_LOCAL_HEADER.size + name_len + extra_len
