@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Iterator, Sequence
 
-from nano_eval.rows import Row, common_prefix_length
+from nano_eval.rows import Row
 
 
 class DynamicBatchDataset:
@@ -72,46 +72,20 @@ class GenerativeTaskDataset(DynamicBatchDataset):
     """Generation rows (prompt-only rows with `generation` set) sorted by prompt + generation budget; batches never
     mix generation settings.
 
-    With `shared_prefix_tokens` > 0 (the backend's decoder prefills a batch's common prompt prefix once, see
-    nano_eval.backends.transformers.CachedDecoder), a batch whose prompts share at least that many first tokens
-    counts them once: its cost is prefix + rows x (longest prompt + generation budget - prefix).
+    A batch holds rows while rows x (longest prompt + generation budget) <= max_tokens: that is the KV cache the
+    decoders hold (each row's columns, the copies of a shared prompt prefix included: see
+    nano_eval.backends.transformers.CachedDecoder), so --batch-tokens bounds generation memory as it bounds scoring.
     """
 
-    def __init__(self, items: Sequence[Row], shared_prefix_tokens: int = 0):
+    def __init__(self, items: Sequence[Row]):
         super().__init__(items, length_fn=lambda row: row.input_len + row.generation.max_new_tokens)
-        self.shared_prefix_tokens = shared_prefix_tokens
 
     def splits_iterator(self, indices: Sequence[int], max_tokens: int, max_batch_size: int) -> Iterator[list[int]]:
         groups: dict[tuple, list[int]] = {}
         for i in indices:
             groups.setdefault(self.sorted_items[i].generation, []).append(i)
         for group_indices in groups.values():
-            if self.shared_prefix_tokens:
-                yield from self._shared_splits(group_indices, max_tokens, max_batch_size)
-            else:
-                yield from super().splits_iterator(group_indices, max_tokens, max_batch_size)
-
-    def _shared_splits(self, indices: Sequence[int], max_tokens: int, max_batch_size: int) -> Iterator[list[int]]:
-        batch: list[int] = []
-        first: list[int] = []
-        common = longest = shortest = 0
-        for i in indices:
-            row = self.sorted_items[i]
-            prompt, length = row.segments[0].context, self.length_fn(row)
-            if batch:
-                new_common = common_prefix_length(first, prompt, common)
-                new_longest, new_shortest = max(longest, length), min(shortest, len(prompt))
-                shared = min(new_common, new_shortest - 1)
-                shared = shared if shared >= self.shared_prefix_tokens else 0
-                if shared + (len(batch) + 1) * (new_longest - shared) <= max_tokens and len(batch) < max_batch_size:
-                    batch.append(i)
-                    common, longest, shortest = new_common, new_longest, new_shortest
-                    continue
-                yield batch
-            batch, first, common, longest, shortest = [i], prompt, len(prompt), length, len(prompt)
-        if batch:
-            yield batch
-
+            yield from super().splits_iterator(group_indices, max_tokens, max_batch_size)
 
 
 class GenerativeTaskDatasetNanotron(GenerativeTaskDataset):

@@ -17,6 +17,7 @@ from nano_eval.backends.base import Backend
 from nano_eval.data import DynamicBatchDataset, GenDistributedSampler, GenerativeTaskDataset, LoglikelihoodDataset
 from nano_eval.errors import NanoEvalError
 from nano_eval.generate import greedy_decode
+from nano_eval.lockstep import Lockstep, generation_plan, padded_batch, scoring_plan
 from nano_eval.packing import build_segments, pack_rows, share_prefixes
 from nano_eval.parallel import broadcast_from_output_stage, gather_dicts_over_dp
 from nano_eval.rows import Choice, Generation, Row, Segment, last_position_row, make_batch, plain_row, split_scores
@@ -63,6 +64,8 @@ class Engine:
         tok = backend.tokenizer
         eos = tok.eos_token_id
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else (eos or 0)
+        # the model's forward holds collectives across DP ranks (MoE under expert parallelism): nano_eval.lockstep
+        self.lockstep = bool(getattr(backend, "lockstep", False)) and self.layout.dp_size > 1
 
     def encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
         """(context tokens, continuation tokens) of a loglikelihood request (Tokenization.pair)."""
@@ -151,7 +154,7 @@ class Engine:
             truncated = max(0, len(tokens) - room)
             generation = Generation(max_new, tuple(r.stop_sequence or ()))
             rows.append(last_position_row(r.key, tokens[truncated:], truncated, generation))
-        return GenerativeTaskDataset(rows, self._generation_prefix_tokens())
+        return GenerativeTaskDataset(rows)
 
     def _generation_prefix_tokens(self) -> int:
         """Shared-prefix threshold for generation batches: the config's, on backends whose decoder shares prefixes."""
@@ -159,13 +162,21 @@ class Engine:
 
     # ---- running -----------------------------------------------------------------------------------------------
 
-    def _my_batches(self, dataset: DynamicBatchDataset, desc: str) -> Iterator[list[Row]]:
-        """This data-parallel rank's shard of `dataset`, in token-budget batches, with a progress bar on rank 0."""
+    def _my_batches(self, dataset: DynamicBatchDataset, desc: str, plan=None) -> Iterator[tuple[list[Row], Any]]:
+        """This data-parallel rank's shard of `dataset`, in token-budget batches, with a progress bar on rank 0.
+
+        Each comes with None, or under lockstep with its agreed shape from `plan(batches, layout)` (nano_eval.lockstep;
+        a rank with fewer batches than another gets `[]` rows: a dummy batch)."""
         shard = list(GenDistributedSampler(dataset, self.layout.dp_size, self.layout.dp_rank))
         b = self.batching
-        batches = list(dataset.splits_iterator(shard, b.max_batch_tokens, b.max_batch_size))
-        for positions in tqdm(batches, desc=desc, disable=not self.progress, leave=False):
-            yield [dataset[i] for i in positions]
+        batches = [[dataset[i] for i in positions]
+                   for positions in dataset.splits_iterator(shard, b.max_batch_tokens, b.max_batch_size)]
+        shapes = [None] * len(batches)
+        if self.lockstep:
+            shapes = plan(batches, self.layout)
+            batches += [[] for _ in range(len(shapes) - len(batches))]
+        for rows, shape in tqdm(list(zip(batches, shapes)), desc=desc, disable=not self.progress, leave=False):
+            yield rows, shape
 
     def _vocab_shard(self, logits: torch.Tensor) -> VocabShard:
         lay = self.layout
@@ -176,10 +187,12 @@ class Engine:
         list of results, one per choice. Same dict on every rank."""
         local: dict = {}
         slotted: dict = {}  # single-token requests: {key: {slot: result}}
-        for rows in self._my_batches(dataset, desc):
-            batch = make_batch(rows, self.pad_id, self.packs_rows)
+        for rows, shape in self._my_batches(dataset, desc, scoring_plan):
+            batch = make_batch(rows, self.pad_id, self.packs_rows) if rows else None
+            if shape is not None:  # lockstep: padded to the shape every DP rank runs (or a dummy batch)
+                batch = padded_batch(batch, *shape, self.pad_id)
             logits = self.backend.forward(batch)
-            if logits is None:
+            if logits is None or not rows:
                 continue
             logprobs, greedy = target_logprobs(logits, batch.targets.to(logits.device), self._vocab_shard(logits))
             for choice, *scores in split_scores(rows, logprobs.tolist(), greedy.tolist()):
@@ -194,9 +207,10 @@ class Engine:
     def run_greedy(self, dataset: GenerativeTaskDataset, desc: str = "generate") -> dict:
         """{key: GenerationResult}: greedy continuation up to a stop sequence, any EOS id or max_new_tokens."""
         local: dict = {}
-        for rows in self._my_batches(dataset, desc):
+        for rows, shape in self._my_batches(dataset, desc, generation_plan):
+            sync = Lockstep.of(rows, shape, self.pad_id, self.layout) if shape is not None else None
             local.update(greedy_decode(self.backend, rows, self.pad_id, self.tokens.eos_ids, self._vocab_shard,
-                                       shared_prefix_tokens=self._generation_prefix_tokens()))
+                                       shared_prefix_tokens=self._generation_prefix_tokens(), lockstep=sync))
         return gather_dicts_over_dp(broadcast_from_output_stage(local, self.layout), self.layout)
 
 

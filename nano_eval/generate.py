@@ -13,7 +13,7 @@ rank of the replica, so all ranks agree on when to stop.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Collection, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Collection, Protocol, Sequence
 
 import torch
 
@@ -21,6 +21,9 @@ from nano_eval.backends.base import Backend
 from nano_eval.parallel import broadcast_tensor_from_output_stage
 from nano_eval.rows import Row, last_position_row, make_batch
 from nano_eval.scoring import VocabShard, argmax_tokens
+
+if TYPE_CHECKING:
+    from nano_eval.lockstep import Lockstep
 
 
 @dataclass(frozen=True)
@@ -34,8 +37,9 @@ class GenerationResult:
 class IncrementalDecoder(Protocol):
     """What a backend returns from `incremental_decoder()`: decoding state for one batch of prompts."""
 
-    def prefill(self, prompts: list[list[int]], pad_id: int) -> torch.Tensor | None:
-        """Logits [B, V/tp] at each prompt's last token (on the output stage; None elsewhere)."""
+    def prefill(self, prompts: list[list[int]], pad_id: int, max_new_tokens: int) -> torch.Tensor | None:
+        """Logits [B, V/tp] at each prompt's last token (on the output stage; None elsewhere). The cache is sized
+        for rows x (longest prompt + max_new_tokens) columns, the budget generation batches are cut by."""
         ...
 
     def extend(self, keep: list[int], next_ids: list[int]) -> torch.Tensor | None:
@@ -44,7 +48,8 @@ class IncrementalDecoder(Protocol):
 
 
 def greedy_decode(backend: Backend, rows: Sequence[Row], pad_id: int, eos_ids: Collection[int],
-                  vocab_shard: Callable[[torch.Tensor], VocabShard], shared_prefix_tokens: int = 0) -> dict:
+                  vocab_shard: Callable[[torch.Tensor], VocabShard], shared_prefix_tokens: int = 0,
+                  lockstep: Lockstep | None = None) -> dict:
     """{request key: GenerationResult} for generation rows that share one `Generation` (max_new_tokens, stop).
 
     A row stops at a stop sequence, at any id in `eos_ids` (not kept), or after max_new_tokens. The text is the
@@ -53,22 +58,30 @@ def greedy_decode(backend: Backend, rows: Sequence[Row], pad_id: int, eos_ids: C
     On a backend with `shares_prompt_prefix`, prompts that start with the same `shared_prefix_tokens` (> 0) or
     more tokens have that prefix prefilled once (`incremental_decoder(shared_prefix_tokens=...)`).
 
+    lockstep (nano_eval.lockstep, for models with collectives across data-parallel ranks): its filler prompts are
+    decoded after `rows` (which may be empty), no row leaves the batch (finished rows go on decoding, their tokens
+    dropped), and the loop runs until no data-parallel rank has an unfinished row, so every DP rank runs the same
+    forwards with the same shapes.
+
     Every rank of the model replica calls it with the same rows; every rank returns the same results.
     """
     tok, layout = backend.tokenizer, backend.layout
     prompts = [row.segments[0] for row in rows]  # prompt tokens in .context, key and truncation in .choices[0]
-    max_new, stops = rows[0].generation.max_new_tokens, rows[0].generation.stop
-    generated: list[list[int]] = [[] for _ in rows]
-    active = list(range(len(rows)))  # rows still generating, in the decoder's row order
+    contexts = [p.context for p in prompts] + (lockstep.fillers if lockstep else [])
+    max_new, stops = (rows[0].generation.max_new_tokens, rows[0].generation.stop) if rows else (0, ())
+    steps = lockstep.max_new_tokens if lockstep else max_new
+    fed: list[list[int]] = [[] for _ in contexts]  # tokens appended to each row: its generation (+ lockstep's filler)
+    ends: list[int | None] = [None] * len(rows) + [0] * (len(contexts) - len(rows))  # generation length once done
+    active = list(range(len(contexts)))  # rows still in the batch, in the decoder's row order
     decoder = None
     if getattr(backend, "shares_prompt_prefix", False) and shared_prefix_tokens:
         decoder = backend.incremental_decoder(shared_prefix_tokens=shared_prefix_tokens)
     elif hasattr(backend, "incremental_decoder"):
         decoder = backend.incremental_decoder()
-    logits = decoder.prefill([p.context for p in prompts], pad_id) if decoder is not None else None
-    for step in range(max_new):
+    logits = decoder.prefill(contexts, pad_id, steps) if decoder is not None else None
+    for _ in range(steps):
         if decoder is None:
-            step_rows = [last_position_row(None, prompts[i].context + generated[i]) for i in active]
+            step_rows = [last_position_row(None, contexts[i] + fed[i]) for i in active]
             logits = backend.forward(make_batch(step_rows, pad_id, with_mask=False))
         next_ids = torch.zeros(len(active), dtype=torch.int64, device=layout.device)
         if logits is not None:
@@ -76,21 +89,26 @@ def greedy_decode(backend: Backend, rows: Sequence[Row], pad_id: int, eos_ids: C
         next_ids = broadcast_tensor_from_output_stage(next_ids, layout).tolist()
         keep = []  # positions in `active` of the rows that go on
         for k, (i, t) in enumerate(zip(active, next_ids)):
-            if t in eos_ids:
-                continue
-            generated[i].append(t)
-            if not _hit_stop(tok.decode(generated[i], skip_special_tokens=True), stops):
+            if ends[i] is None and t in eos_ids:
+                ends[i] = len(fed[i])
+            if ends[i] is None or lockstep:
+                fed[i].append(t)
+            if ends[i] is None and (len(fed[i]) == max_new
+                                    or _hit_stop(tok.decode(fed[i], skip_special_tokens=True), stops)):
+                ends[i] = len(fed[i])
+            if ends[i] is None or lockstep:
                 keep.append(k)
-        if not keep or step + 1 == max_new:
+        unfinished = any(ends[i] is None for i in active)
+        if not (lockstep.any_rank(unfinished) if lockstep else unfinished):
             break
         if decoder is not None:
             logits = decoder.extend(keep, [next_ids[k] for k in keep])
         active = [active[k] for k in keep]
     out = {}
-    for prompt, gen in zip(prompts, generated):
-        choice = prompt.choices[0]
-        out[choice.key] = GenerationResult(text=_cut_at_stop(tok.decode(gen, skip_special_tokens=True), stops), tokens=gen,
-                                           input_tokens=prompt.context, truncated=choice.truncated)
+    for prompt, tokens, end in zip(prompts, fed, ends):
+        choice, gen = prompt.choices[0], tokens[:end]
+        out[choice.key] = GenerationResult(text=_cut_at_stop(tok.decode(gen, skip_special_tokens=True), stops),
+                                           tokens=gen, input_tokens=prompt.context, truncated=choice.truncated)
     return out
 
 

@@ -16,7 +16,11 @@ import torch.distributed as dist
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelLayout:
-    """Ranks and groups of one process. `output_pp_rank` is the pipeline stage that holds the logits."""
+    """Ranks and groups of one process. `output_pp_rank` is the pipeline stage that holds the logits.
+
+    ep_size, cp_size and moe_routing only describe the model (results.json's layout): expert parallelism lives
+    inside dp (MoE layers), context-parallel ranks are counted in dp (each scores whole rows while evaluating), and
+    moe_routing says how MoE layers route while scoring ("dropless")."""
 
     rank: int = 0
     world_size: int = 1
@@ -32,6 +36,9 @@ class ParallelLayout:
     input_pp_rank: int = 0
     output_pp_rank: int = 0
     device: str = "cpu"  # where collective buffers live: "cuda" under nccl, "cpu" under gloo
+    ep_size: int = 1
+    cp_size: int = 1
+    moe_routing: str | None = None
 
     def __post_init__(self):
         if self.dp_size * self.tp_size * self.pp_size != self.world_size:
@@ -56,8 +63,17 @@ class ParallelLayout:
         """Global rank 0: the rank that prints and writes files."""
         return self.rank == 0
 
-    def describe(self) -> dict[str, int]:
-        return {"world_size": self.world_size, "dp": self.dp_size, "tp": self.tp_size, "pp": self.pp_size}
+    def describe(self) -> dict[str, int | str]:
+        """{world_size, dp, tp, pp}, plus ep / cp_in_dp / moe_routing where the model has them."""
+        out: dict[str, int | str] = {"world_size": self.world_size, "dp": self.dp_size, "tp": self.tp_size,
+                                     "pp": self.pp_size}
+        if self.ep_size > 1:
+            out["ep"] = self.ep_size
+        if self.cp_size > 1:
+            out["cp_in_dp"] = self.cp_size
+        if self.moe_routing:
+            out["moe_routing"] = self.moe_routing
+        return out
 
     @classmethod
     def data_parallel(cls) -> ParallelLayout:

@@ -25,8 +25,9 @@ def toy_backend(toy_checkpoint):
 def megatron_world(toy_checkpoint, tmp_path_factory):
     """One spawned world of 4 ranks running megatron-core's real GPTModel in every layout of
     tests/megatron_worker.py (scores, two torch_dist saves, a legacy one and the example's, a Megatron-style
-    training run with the hook); shared by tests/test_megatron.py and tests/test_megatron_dist_ckpt.py so it is
-    paid once."""
+    training run with the hook) and its MoE model (tests/megatron_moe_worker.py: moe_checks; an ep2 torch_dist
+    save in root / "moe_ep2"); shared by tests/test_megatron.py, tests/test_megatron_dist_ckpt.py and
+    tests/test_megatron_moe.py so it is paid once."""
     pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'nano_eval[megatron]')")
     from tests.dist_utils import run_distributed
     from tests.megatron_worker import all_layouts

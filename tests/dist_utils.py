@@ -59,3 +59,36 @@ def run_distributed(fn, world: int, *args, timeout: float = 120, pg_timeout_s: f
     if errors:
         raise RuntimeError("\n".join(errors))
     return [pickle.loads(results[r][1]) for r in range(world)]
+
+
+def _nccl_entry(rank, world, port, fn, args, queue):
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.cuda.set_device(rank)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    dist.init_process_group("nccl", rank=rank, world_size=world)
+    try:
+        queue.put((rank, "ok", pickle.dumps(fn(rank, world, *args))))
+    except BaseException:
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_nccl(fn, world: int, *args, timeout: float = 600) -> list:
+    """fn(rank, world, *args) on `world` GPUs under nccl (GPU tests only); per-rank results in rank order."""
+    ctx = mp.get_context("spawn")
+    queue, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_nccl_entry, args=(r, world, port, fn, args, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = {r: (s, out) for r, s, out in (queue.get(timeout=timeout) for _ in procs)}
+    for p in procs:
+        p.join(timeout=60)
+    errors = [f"rank {r}:\n{out}" for r, (s, out) in sorted(results.items()) if s == "error"]
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    return [pickle.loads(results[r][1]) for r in range(world)]

@@ -98,24 +98,36 @@ def megatron_args(cfg: GPTConfig, tp: int = 1, pp: int = 1) -> Namespace:
     )
 
 
-def transformer_config(cfg: GPTConfig, *, dropout: float = 0.0, **parallel):
-    """megatron-core's TransformerConfig of the model; `parallel`: tensor/pipeline/virtual sizes, sequence_parallel."""
+# Megatron-LM's training defaults (its --no-*-fusion flags) that the local layer spec runs without Transformer
+# Engine or Apex: the fused softmax (a CUDA extension; tests/megatron_kernels/ on CPU) and the torch.compile'd
+# bias-SwiGLU and bias-dropout-add. Not here: apply_rope_fusion (megatron-core refuses it without Transformer Engine),
+# persist_layer_norm (Apex's FusedLayerNorm only; megatron's torch norm refuses it) and gradient_accumulation_fusion
+# (Apex's fused_weight_gradient_mlp_cuda; training only).
+MEGATRON_LM_FUSIONS = dict(masked_softmax_fusion=True, bias_activation_fusion=True, bias_dropout_fusion=True)
+BF16 = dict(bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16)
+
+
+def transformer_config(cfg: GPTConfig, *, dropout: float = 0.0, **options):
+    """megatron-core's TransformerConfig of the model (fp32, fusions off); `options`: tensor/pipeline/virtual sizes,
+    sequence_parallel, or any other field (e.g. **BF16, **MEGATRON_LM_FUSIONS)."""
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
-    return TransformerConfig(
+    fields = dict(
         num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.ffn_hidden_size,
         num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.num_query_groups,
         kv_channels=cfg.kv_channels, normalization="RMSNorm", layernorm_epsilon=cfg.norm_epsilon,
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, bias_activation_fusion=False,
         bias_dropout_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
         gradient_accumulation_fusion=False, params_dtype=torch.float32, pipeline_dtype=torch.float32,
-        use_cpu_initialization=True, attention_dropout=dropout, hidden_dropout=dropout, **parallel)
+        use_cpu_initialization=True, attention_dropout=dropout, hidden_dropout=dropout)
+    return TransformerConfig(**{**fields, **options})
 
 
 def build_gpt_chunks(cfg: GPTConfig = GPTConfig(), *, vp: int | None = None, seed: int = 0, dropout: float = 0.0,
-                     sequence_parallel: bool = False) -> list:
-    """This rank's GPTModel chunks (one, or `vp` for an interleaved pipeline) holding the seed's weights.
+                     sequence_parallel: bool = False, **options) -> list:
+    """This rank's GPTModel chunks (one, or `vp` for an interleaved pipeline) holding the seed's weights;
+    `options`: more TransformerConfig fields (see transformer_config).
 
     parallel_state must be initialised with the same tp / pp (and vp). Chunk v of stage p holds global layers
     [(v * pp + p) * L, ...) with L = num_layers / (pp * vp); megatron numbers them (`layer_number`, 1-based)."""
@@ -127,7 +139,7 @@ def build_gpt_chunks(cfg: GPTConfig = GPTConfig(), *, vp: int | None = None, see
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
     model_parallel_cuda_manual_seed(1234)
     config = transformer_config(cfg, dropout=dropout, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                virtual_pipeline_model_parallel_size=vp, sequence_parallel=sequence_parallel)
+                                virtual_pipeline_model_parallel_size=vp, sequence_parallel=sequence_parallel, **options)
     shard = megatron_shard(logical_weights(cfg, seed), cfg, ps.get_tensor_model_parallel_rank(), tp)
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     if sequence_parallel:  # megatron's torch norm refuses SP; Apex's does not: stand in for it (tests/megatron_cpu.py)

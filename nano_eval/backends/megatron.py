@@ -20,10 +20,17 @@ vocab-sharded logits `[B, S, V/tp]` on the last pipeline stage.
 Rows are right-padded, so a causal mask alone keeps padding out of every scored position.
 - Greedy generation: `incremental_decoder()` decodes from megatron-core's static KV cache in the same layout
   (nano_eval.backends.megatron_cache), or returns None where the model cannot (the prompt is then re-run per token).
+- Every forward runs under `ScoringState.applied()` (nano_eval.backends.megatron_scoring): MoE layers route
+  dropless, their training counters are kept, context parallelism is off (CP ranks score whole rows as
+  data-parallel ranks; the schedule is told seq_length x cp, which it divides by cp); all restored after.
+- Mixture-of-Experts under expert parallelism: the MoE layers' all-to-all / all-gather spans data-parallel ranks,
+  so `lockstep` is True and the engine runs the same number of forwards with the same shapes on every
+  data-parallel rank (nano_eval.lockstep).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from contextlib import contextmanager
 
@@ -31,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from nano_eval.backends.base import Batch, note_rerun_generation
+from nano_eval.backends.megatron_scoring import ScoringState
 from nano_eval.compat.megatron import call_schedule, layout_from_megatron, unwrap
 from nano_eval.errors import NanoEvalError
 from nano_eval.parallel import any_rank_true
@@ -59,6 +67,12 @@ class MegatronModel:
             )
         self.config = getattr(inner, "config", None)
         self.seq_multiple = self.layout.tp_size if getattr(self.config, "sequence_parallel", False) else 1
+        self.scoring = ScoringState(self.chunks)
+        self.layout = dataclasses.replace(self.layout, moe_routing=self.scoring.routing)
+        # MoE layers talk over the expert-tensor x expert-parallel group: consecutive ranks, TP first, so it stays
+        # inside one model replica only when etp x ep <= tp
+        etp = getattr(self.config, "expert_tensor_parallel_size", None) or self.layout.tp_size
+        self.lockstep = self.scoring.moe and etp * self.layout.ep_size > self.layout.tp_size
         self._picks: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, cols) of the forward in flight
         self._hooked = False
 
@@ -87,7 +101,7 @@ class MegatronModel:
         masked) through every stage: logits [N, V/tp] at (rows, cols) on the last stage, None elsewhere.
         context: a megatron-core static inference context holding the KV cache; the batch is then split into
         `decode_microbatches` equal microbatches (B must divide), microbatch m in cache rows [m * B/n, (m+1) * B/n)."""
-        with self._output_layer_on_scored_positions():
+        with self.scoring.applied(), self._output_layer_on_scored_positions():
             if self.layout.pp_size == 1 and len(self.chunks) == 1:
                 return self._scored(self.chunks[0], inputs, rows, cols, context)
             return self._forward_pipelined(inputs, rows, cols, context)
@@ -188,8 +202,9 @@ class MegatronModel:
             return output, scored_logits
 
         iterators = [iter(micro) for _ in self.chunks] if len(self.chunks) > 1 else iter(micro)
-        collected = call_schedule(forward_step, iterators, self.chunks, num_microbatches=n_micro, seq_length=s,
-                                  micro_batch_size=mbs)
+        # CP is off while scoring, but the schedule sizes its stage-to-stage buffers as seq_length / cp
+        collected = call_schedule(forward_step, iterators, self.chunks, num_microbatches=n_micro,
+                                  seq_length=s * self.layout.cp_size, micro_batch_size=mbs)
         if context is not None:
             context.batch_size_offset = 0
         if not self.layout.is_output_stage:

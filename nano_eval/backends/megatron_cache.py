@@ -14,15 +14,22 @@ what makes each row see exactly what it would see alone is ours:
 - an explicit mask `[b, 1, new, columns]` (True = masked): causal, and a row's padding columns masked;
 - per-row positions: the RoPE table becomes `[capacity, b, 1, dim]`, column c of row r at position c - pad_r
   (learned absolute positions get the same numbers as `position_ids`);
-- rows that finish are dropped from the cache (they stop costing compute); the capacity doubles when needed.
+- rows that finish are dropped from the cache (they stop costing compute); the cache holds the batch's longest
+  prompt + max_new_tokens columns (rows x columns: the engine's --batch-tokens budget), allocated once;
+- every causal `FusedScaleMaskSoftmax` is told it holds a padding mask while decoding: with fp16/bf16 and
+  `masked_softmax_fusion=True` (Megatron-LM's default) a causal layer otherwise takes the fused upper-triangular
+  kernel for square score blocks (the prefill, width divisible by 4 in 17..4096), and that kernel takes no mask, so
+  left-padded rows would attend to their padding. With the padding type the same kernel family applies our mask
+  (the fused masked kernel where its shape rules allow, else torch's softmax).
 While decoding, sequence parallelism and fused RoPE are switched off and restored after every call (same maths;
 megatron-core's static inference supports neither), and the output layer keeps vocab-parallel logits.
 
 Exact where the core attention is megatron-core's local `DotProductAttention` (it applies the mask we pass).
 Other models keep the re-run path (`unsupported_reason` says why): Transformer Engine / flash attention cores
-(in megatron's static-inference path they apply a causal or no mask, ignoring the padding mask), flash decoding
-or CUDA graphs, multi-latent attention, multi-token prediction, position embeddings other than rope / learned
-absolute / none, `pad_to_length`.
+(in megatron's static-inference path they apply a causal or no mask, ignoring the padding mask), sliding-window
+attention (megatron's softmax then builds its own window mask, ignoring ours), flash decoding or CUDA graphs,
+multi-latent attention, multi-token prediction, position embeddings other than rope / learned absolute / none,
+`pad_to_length`.
 """
 
 from __future__ import annotations
@@ -56,7 +63,7 @@ def unsupported_reason(backend) -> str | None:
             return "not a megatron-core GPTModel"
         if getattr(model, "position_embedding_type", None) not in _POSITIONS:
             return f"position embedding {getattr(model, 'position_embedding_type', None)!r}"
-        for flag in ("flash_decode", "multi_latent_attention", "mtp_num_layers"):
+        for flag in ("flash_decode", "multi_latent_attention", "mtp_num_layers", "window_size"):
             if getattr(config, flag, None):
                 return f"config.{flag}"
         if getattr(config, "cuda_graph_impl", "none") != "none":
@@ -78,8 +85,6 @@ class StaticCacheDecoder:
     of the query groups.
     """
 
-    headroom = 64  # cache columns allocated past the longest prompt; the capacity doubles when they run out
-
     def __init__(self, backend):
         self.backend = backend
         self.models = [unwrap(chunk) for chunk in backend.chunks]
@@ -89,8 +94,9 @@ class StaticCacheDecoder:
         self.pads: torch.Tensor | None = None  # [cache rows] int64: left-padding columns of each cache row
 
     @torch.no_grad()
-    def prefill(self, prompts: list[list[int]], pad_id: int) -> torch.Tensor | None:
-        """Logits [B, V/tp] at each prompt's last token (last stage); fills the cache with the prompts."""
+    def prefill(self, prompts: list[list[int]], pad_id: int, max_new_tokens: int) -> torch.Tensor | None:
+        """Logits [B, V/tp] at each prompt's last token (last stage); fills the cache with the prompts (a cache of
+        longest prompt + max_new_tokens columns)."""
         from megatron.core.inference.contexts import StaticInferenceContext
 
         ids, real = left_padded(prompts, pad_id)
@@ -98,7 +104,8 @@ class StaticCacheDecoder:
         self.rows = len(prompts)
         pads = (~real).sum(dim=1).to(self.backend.device)  # [b] left-padding columns of each row
         self.pads = self._filled(pads)
-        self.context = StaticInferenceContext(max_batch_size=len(self.pads), max_sequence_length=width + self.headroom)
+        self.context = StaticInferenceContext(max_batch_size=len(self.pads),
+                                              max_sequence_length=width + max(1, max_new_tokens))
         return self._forward(ids)
 
     @torch.no_grad()
@@ -126,7 +133,9 @@ class StaticCacheDecoder:
         device, context = self.backend.device, self.context
         start = context.sequence_len_offset
         end = start + new_ids.shape[1]
-        self._reserve(end)
+        if end > context.max_sequence_length:
+            raise RuntimeError(f"Megatron KV cache of {context.max_sequence_length} columns is full: more tokens than "
+                               "the max_new_tokens given to prefill")
         new_ids = self._filled(new_ids.to(device))
         columns = torch.arange(start, end, device=device)
         positions = (columns[None, :] - self.pads[:, None]).clamp(min=0)  # [cache rows, n]
@@ -138,22 +147,6 @@ class StaticCacheDecoder:
             logits = self.backend.run((new_ids, positions, masked[:, None]), rows, torch.zeros_like(rows), context)
         context.sequence_len_offset = end
         return logits
-
-    def _reserve(self, columns: int) -> None:
-        """Grow every layer's cache to hold `columns` columns (capacity doubles; megatron allocates on first use)."""
-        context = self.context
-        if columns <= context.max_sequence_length:
-            return
-        capacity = max(columns, 2 * context.max_sequence_length)
-        memory = context.key_value_memory_dict
-        for layer, tensors in memory.items():
-            grown = []
-            for old in tensors:
-                new = old.new_empty((capacity, *old.shape[1:]))
-                new[:old.shape[0]] = old
-                grown.append(new)
-            memory[layer] = tuple(grown)
-        context.max_sequence_length = capacity
 
     @contextmanager
     def _decoding(self):
@@ -177,18 +170,24 @@ class StaticCacheDecoder:
 
 @contextmanager
 def _plain_attributes(model):
-    """Sequence parallelism and fused RoPE off on every module and config of `model` that has them on; restored on
-    exit. The same attributes megatron-core's set_model_to_sequence_parallel flips (not used: it caches modules by
-    id(model), which a later model can reuse)."""
-    flipped = [(m, attr) for m in model.modules() for attr in _SEQUENCE_PARALLEL_ATTRS
+    """Sequence parallelism and fused RoPE off on every module and config of `model` that has them on, and every
+    causal FusedScaleMaskSoftmax switched to the padding mask type (it then applies the mask it is given, see the
+    module docstring); restored on exit. The same sequence-parallel attributes megatron-core's
+    set_model_to_sequence_parallel flips (not used: it caches modules by id(model), which a later model can reuse)."""
+    from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax
+    from megatron.core.transformer.enums import AttnMaskType
+
+    flipped = [(m, attr, True, False) for m in model.modules() for attr in _SEQUENCE_PARALLEL_ATTRS
                if getattr(m, attr, None) is True]
     configs = {id(c): c for c in (getattr(m, "config", None) for m in model.modules()) if c is not None}
-    flipped += [(c, attr) for c in configs.values() for attr in ("sequence_parallel", "apply_rope_fusion")
+    flipped += [(c, attr, True, False) for c in configs.values() for attr in ("sequence_parallel", "apply_rope_fusion")
                 if getattr(c, attr, None) is True]
+    flipped += [(m, "attn_mask_type", AttnMaskType.causal, AttnMaskType.padding) for m in model.modules()
+                if isinstance(m, FusedScaleMaskSoftmax) and m.attn_mask_type == AttnMaskType.causal]
     try:
-        for obj, attr in flipped:
-            setattr(obj, attr, False)
+        for obj, attr, _, value in flipped:
+            setattr(obj, attr, value)
         yield
     finally:
-        for obj, attr in flipped:
-            setattr(obj, attr, True)
+        for obj, attr, value, _ in flipped:
+            setattr(obj, attr, value)

@@ -9,19 +9,27 @@ the way the backend's scoring forward drives the model (inputs on the first stag
 model's P2P between stages), keeps the logits of the last column `[b, V/tp]` on the last stage, and drops
 finished rows from every stored tensor (batch is their first dimension).
 
-Costs: nanotron sizes each layer's cache to max_position_embeddings columns per row (its design; a generation
-batch holds about max_batch_tokens / (prompt + max_new_tokens) rows), and its prefill projects every prompt
-position through lm_head, as the scoring forward does. The inference path rotates q/k with nanotron's complex-
+Memory: nanotron sizes each layer's cache to `prefill_kv_len` columns per row and its RoPE table to
+`rotary_embedding.end` positions (both max_position_embeddings); the decoding asserts they are equal. While the
+decoder runs the model, both are set to the batch's longest prompt + max_new_tokens (and restored after each call),
+so a batch's cache is rows x (longest prompt + answer) columns: inside the engine's --batch-tokens budget, not
+rows x max_position_embeddings. The RoPE table of those positions holds the same values as nanotron's own.
+Costs: the prefill projects every prompt position through lm_head, as the scoring forward does.
+flash-attn >= 2.6 returns 5 values from `unpad_input`, which nanotron 0.4's prefill unpacks into 4:
+nano_eval.compat.nanotron.four_value_unpad_input adapts it. The inference path rotates q/k with nanotron's complex-
 valued RotaryEmbedding instead of the training path's flash-attn rotary kernel: the same interleaved rotation,
 equal up to float rounding. Not used (the prompt is re-run per token, `unsupported_reason` says why) for
 `tp_mode: REDUCE_SCATTER` (one token per step cannot be split along the sequence over TP ranks), a max_length
-past max_position_embeddings (the cache's columns), or a model other than nanotron's LlamaModel.
+past max_position_embeddings (positions the model was not built for), or a model other than nanotron's LlamaModel.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
+from nano_eval.compat.nanotron import four_value_unpad_input
 from nano_eval.rows import left_padded
 
 
@@ -39,7 +47,7 @@ def unsupported_reason(backend) -> str | None:
         return "tp_mode REDUCE_SCATTER"
     columns = backend.forward_module.config.max_position_embeddings
     if backend.max_length > columns:
-        return f"max_length {backend.max_length} > max_position_embeddings {columns}, the columns of nanotron's cache"
+        return f"max_length {backend.max_length} > max_position_embeddings {columns}"
     return None
 
 
@@ -52,18 +60,22 @@ class StoreDecoder:
 
     def __init__(self, backend):
         from nanotron.generation.generate_store import Store
-        from nanotron.models.llama import RotaryEmbedding
+        from nanotron.models.llama import CausalSelfAttention
 
+        four_value_unpad_input()
         self.backend, self.store, self.rows = backend, Store(), 0
-        for module in backend.forward_module.modules():  # built here, before the first call, to skip nanotron's
-            if isinstance(module, RotaryEmbedding):        # "Initializing rotary embeddings" print in every layer
-                module.init_rotary_embeddings()
+        self.attentions = [m for m in backend.forward_module.modules() if isinstance(m, CausalSelfAttention)
+                           and hasattr(m, "prefill_kv_len") and hasattr(m, "rotary_embedding")]
+        self.columns = self.length = 0  # cache columns of the current batch (longest prompt + max_new_tokens), used
+        self.tables: dict[int, torch.Tensor] = {}  # RoPE table of `columns` positions, per attention layer
 
     @torch.no_grad()
-    def prefill(self, prompts: list[list[int]], pad_id: int) -> torch.Tensor | None:
-        """Logits [B, V/tp] at each prompt's last token (last stage); fills the caches with the prompts."""
+    def prefill(self, prompts: list[list[int]], pad_id: int, max_new_tokens: int) -> torch.Tensor | None:
+        """Logits [B, V/tp] at each prompt's last token (last stage); fills the caches with the prompts (caches of
+        longest prompt + max_new_tokens columns)."""
         ids, mask = left_padded(prompts, pad_id)  # nanotron's prefill requires the pads before the tokens
-        self.rows = len(prompts)
+        self.rows, self.length = len(prompts), ids.shape[1]
+        self.columns, self.tables = ids.shape[1] + max(1, max_new_tokens), {}
         return self._forward(ids, mask)
 
     @torch.no_grad()
@@ -77,6 +89,10 @@ class StoreDecoder:
                     if isinstance(value, torch.Tensor):
                         state[name] = value.index_select(0, index.to(value.device))
             self.rows = len(keep)
+        if self.length + 1 > self.columns:
+            raise RuntimeError(f"nanotron KV cache of {self.columns} columns is full: more tokens than the "
+                               "max_new_tokens given to prefill")
+        self.length += 1
         ids = torch.tensor(next_ids, dtype=torch.int64)[:, None]
         return self._forward(ids, torch.ones_like(ids, dtype=torch.bool))
 
@@ -90,8 +106,37 @@ class StoreDecoder:
             ids, mask = ids.to(backend.device), mask.to(backend.device)
         else:
             ids = mask = TensorPointer(group_rank=layout.input_pp_rank)
-        with attach_store(backend.forward_module, self.store):
+        with attach_store(backend.forward_module, self.store), self._sized():
             logits = backend.forward_module(input_ids=ids, input_mask=mask)  # [n, b, V/tp] on the last stage
         if not layout.is_output_stage or isinstance(logits, TensorPointer):
             return None
         return logits[-1]
+
+    @contextmanager
+    def _sized(self):
+        """While inside: every attention layer's cache length and RoPE table are `self.columns` (see the module
+        docstring); nanotron's own values are put back on exit."""
+        saved = []
+        for attn in self.attentions:
+            rotary = attn.rotary_embedding
+            saved.append((attn, attn.prefill_kv_len, rotary.end, rotary._initialized_buffer,
+                          rotary._buffers.get("freqs_cis")))
+        try:
+            for attn in self.attentions:
+                rotary = attn.rotary_embedding
+                attn.prefill_kv_len = rotary.end = self.columns
+                if id(rotary) in self.tables:
+                    rotary._buffers["freqs_cis"], rotary._initialized_buffer = self.tables[id(rotary)], True
+                else:  # nanotron's own initialisation, for `columns` positions
+                    rotary._initialized_buffer = False
+                    rotary.init_rotary_embeddings()
+                    self.tables[id(rotary)] = rotary.freqs_cis
+            yield
+        finally:
+            for attn, length, end, initialized, table in saved:
+                rotary = attn.rotary_embedding
+                attn.prefill_kv_len, rotary.end, rotary._initialized_buffer = length, end, initialized
+                if table is None:
+                    rotary._buffers.pop("freqs_cis", None)
+                else:
+                    rotary._buffers["freqs_cis"] = table

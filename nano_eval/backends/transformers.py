@@ -2,6 +2,11 @@
 
 One process, or data-parallel under torchrun (each rank holds the whole model). Only the scored positions go
 through the output projection: the decoder runs once, then `lm_head` sees N hidden states instead of B x S.
+
+Models with any attention layer that is not full causal attention (sliding windows: Mistral, Gemma-2/3, Qwen2 with
+use_sliding_window; chunked attention) get neither packed rows nor a shared generation prefix: transformers applies
+a window by column, which is only right when a row's real tokens sit in consecutive columns (plain right-padded
+scoring rows, left-padded generation rows), and a custom 4D mask (packed rows) replaces its window masks.
 """
 
 from __future__ import annotations
@@ -20,11 +25,13 @@ from nano_eval.rows import common_prefix_length, left_padded, tree_attention_mas
 class TransformersModel:
     """A causal LM from transformers behind the backend protocol (see nano_eval.backends.base.Backend).
 
-    Takes packed rows (nano_eval.rows) when its attention takes a custom 4D mask (sdpa: bool, eager: additive).
-    Load a saved model folder or Hub id with nano_eval.checkpoints.hf.load_transformers.
+    Takes packed rows (nano_eval.rows) when its attention takes a custom 4D mask (sdpa: bool, eager: additive) and
+    every layer is full causal attention. Load a saved model folder or Hub id with
+    nano_eval.checkpoints.hf.load_transformers.
     """
 
     supports_packed_rows = True
+    shares_prompt_prefix = True  # incremental_decoder(shared_prefix_tokens=n) prefills a common prefix once
 
     def __init__(self, model, tokenizer, *, layout: ParallelLayout | None = None, max_length: int | None = None):
         self.model = self.module = model
@@ -34,7 +41,10 @@ class TransformersModel:
         self.device = next(model.parameters()).device
         self._head_only_on_scored = _can_split_head(model)
         self._attn = getattr(model.config, "_attn_implementation", None)
-        self.supports_packed_rows = self._attn in ("sdpa", "eager")
+        self.attention_kinds = attention_kinds(model.config)
+        full_causal = self.attention_kinds <= {"full_attention"}
+        self.supports_packed_rows = self._attn in ("sdpa", "eager") and full_causal
+        self.shares_prompt_prefix = full_causal
 
     @torch.no_grad()
     def forward(self, batch: Batch) -> torch.Tensor:
@@ -52,8 +62,6 @@ class TransformersModel:
         scored = hidden.flatten(0, 1)[flat]
         return self.model.get_output_embeddings()(scored)[inverse]
 
-    shares_prompt_prefix = True  # incremental_decoder(shared_prefix_tokens=n) prefills a common prefix once
-
     def incremental_decoder(self, shared_prefix_tokens: int = 0) -> "CachedDecoder":
         """Greedy generation from a KV cache: each batch's prompts run once, then one token per row per step;
         prompts starting with the same `shared_prefix_tokens` or more tokens run that prefix once (0: never)."""
@@ -62,8 +70,9 @@ class TransformersModel:
     def _tree_mask(self, batch: Batch) -> torch.Tensor:
         """4D mask from the batch's segment/branch ids: bool for sdpa (True = attend), additive for eager."""
         if not self.supports_packed_rows:
-            raise NanoEvalError(f"attention implementation {self._attn!r} cannot take packed rows. Fix: use sdpa or "
-                                "eager attention, or BatchingConfig(packing=False).")
+            raise NanoEvalError(f"this model cannot take packed rows (attention implementation {self._attn!r}, layer "
+                                f"kinds {sorted(self.attention_kinds)}). Fix: BatchingConfig(packing=False), or sdpa / "
+                                "eager attention on a model whose layers are all full causal attention.")
         mask = tree_attention_mask(batch.segment_ids.to(self.device), batch.branch_ids.to(self.device))
         if self._attn == "sdpa":
             return mask
@@ -81,12 +90,17 @@ class CachedDecoder:
     Prompts that start with the same `shared_prefix_tokens` (> 0) or more tokens (fixed few-shot examples) share them:
     the common prefix runs once as a batch of one, its cache is copied to every row, and only each prompt's own
     suffix is prefilled. Columns are then [prefix | left padding | suffix]: the padding sits between the two and is
-    masked out, and positions still count real tokens only, so each row again sees exactly its own prompt.
+    masked out, and positions still count real tokens only, so each row again sees exactly its own prompt. Only on
+    models whose layers are all full causal attention (`backend.shares_prompt_prefix`): a sliding window counts
+    columns, and would count the padding between prefix and suffix as tokens.
+
+    Memory: the cache holds at most rows x (longest prompt + max_new_tokens) columns per layer (the shared prefix is
+    copied into every row), the budget the engine's generation batches are cut by (nano_eval.data).
     """
 
     def __init__(self, backend: TransformersModel, shared_prefix_tokens: int = 0):
         self.backend = backend
-        self.shared_prefix_tokens = shared_prefix_tokens  # 0: never share
+        self.shared_prefix_tokens = shared_prefix_tokens if backend.shares_prompt_prefix else 0  # 0: never share
         self.cache = None
         # transformers renamed `past_key_values` to `cache` (5.x; the old name warns, then goes in 5.40)
         model = backend.model.get_decoder() if backend._head_only_on_scored else backend.model
@@ -94,9 +108,11 @@ class CachedDecoder:
         self.mask: torch.Tensor | None = None  # [b, S] 1 on real tokens (prompt and generated), 0 on padding
         self.shared = 0  # length of the prefix the last prefill shared (0: none)
 
-    def prefill(self, prompts: list[list[int]], pad_id: int) -> torch.Tensor:
-        """Logits [B, V] at each prompt's last token; fills the cache with the prompts."""
-        self.cache, self.shared = _growing_cache(self.backend.model), self._shared_length(prompts)
+    def prefill(self, prompts: list[list[int]], pad_id: int, max_new_tokens: int) -> torch.Tensor:
+        """Logits [B, V] at each prompt's last token; fills the cache with the prompts (room for the longest prompt +
+        max_new_tokens columns at most)."""
+        limit = max(map(len, prompts)) + max_new_tokens
+        self.cache, self.shared = _growing_cache(self.backend.model, limit), self._shared_length(prompts)
         if self.shared:
             self.mask = torch.ones((1, self.shared), dtype=torch.int64)
             self._forward(torch.tensor([prompts[0][: self.shared]], dtype=torch.int64))
@@ -142,10 +158,14 @@ class CachedDecoder:
 
 class _GrowingLayer(DynamicLayer):
     """A DynamicLayer that writes new keys/values into spare room at the end of its buffers (grown by a quarter,
-    at least 128 tokens, when full) instead of concatenating: a decode step copies one token per row, not the whole
-    cache (DynamicLayer's torch.cat copies B x S x kv-width per layer per step, which dominates decoding long
-    few-shot prompts).
+    at least 128 tokens, when full, never past `limit` columns unless a write needs them) instead of concatenating:
+    a decode step copies one token per row, not the whole cache (DynamicLayer's torch.cat copies B x S x kv-width per
+    layer per step, which dominates decoding long few-shot prompts).
     `keys` / `values` stay views [B, kv_heads, S, head_dim] of the filled part, so the rest of DynamicLayer holds."""
+
+    def __init__(self, limit: int):
+        super().__init__()
+        self.limit, self.room = limit, None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
@@ -153,7 +173,8 @@ class _GrowingLayer(DynamicLayer):
             self.room = None
         n, k = self.get_seq_length(), key_states.shape[-2]
         if self.room is None or n + k > self.room[0].shape[-2]:
-            shape = (*key_states.shape[:-2], n + k + max(128, (n + k) // 4), key_states.shape[-1])
+            columns = max(n + k, min(self.limit, n + k + max(128, (n + k) // 4)))
+            shape = (*key_states.shape[:-2], columns, key_states.shape[-1])
             self.room = (key_states.new_empty(shape), value_states.new_empty(shape))
             if n:
                 self.room[0][..., :n, :] = self.keys
@@ -172,17 +193,34 @@ class _GrowingLayer(DynamicLayer):
         self.room = None
 
 
-def _growing_cache(model) -> DynamicCache | None:
-    """A DynamicCache of _GrowingLayer when the model's own cache would be all plain DynamicLayer (full attention
-    in every layer), else None (the model builds its own: sliding-window layers and the like)."""
+def _growing_cache(model, limit: int) -> DynamicCache | None:
+    """A DynamicCache of _GrowingLayer (room for `limit` columns at most) when the model's own cache would be all
+    plain DynamicLayer (full attention in every layer), else None (the model builds its own: sliding-window layers and
+    the like, which hold at most `limit` columns as well)."""
     try:
         cache = DynamicCache(config=model.config)
     except Exception:  # noqa: BLE001 -- an unusual config: let the model choose its cache
         return None
     if not cache.layers or any(type(layer) is not DynamicLayer for layer in cache.layers):
         return None
-    cache.layers = [_GrowingLayer() for _ in cache.layers]
+    cache.layers = [_GrowingLayer(limit) for _ in cache.layers]
     return cache
+
+
+def attention_kinds(config) -> set[str]:
+    """The kinds of attention the model's layers use ("full_attention", "sliding_attention", "chunked_attention",
+    ...), from `layer_types` or, in configs without it, from `sliding_window` / `attention_chunk_size` (as
+    transformers' DynamicCache reads them); layers without attention are left out."""
+    config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    kinds = getattr(config, "layer_types", None)
+    if not kinds:
+        if getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
+            kinds = ["sliding_attention"]
+        elif getattr(config, "attention_chunk_size", None) is not None:
+            kinds = ["chunked_attention"]
+        else:
+            kinds = ["full_attention"]
+    return set(kinds) - {"moe", "mlp", "dummy"}
 
 
 def _model_max_length(model, tokenizer) -> int:

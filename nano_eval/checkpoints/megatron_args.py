@@ -58,9 +58,6 @@ def hf_config_from_args(args: Mapping, vocab_size: int):
         raise NanoEvalError(f"the checkpoint's args lack {e}. Fix: pass megatron_args=... (Megatron's names).") from e
 
 
-_SIZES = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "padded_vocab_size")
-_OPTIONAL_SIZES = ("num_query_groups", "kv_channels", "num_moe_experts", "moe_ffn_hidden_size",
-                   "moe_shared_expert_intermediate_size", "max_position_embeddings", "seq_length")
 _LIMIT = 1 << 40
 
 
@@ -82,8 +79,8 @@ def model_parameters(args: Mapping, where: str | Path) -> int:
                                                       "padded_vocab_size", "ffn_hidden_size"))
     groups = size("num_query_groups", False) or heads
     d = size("kv_channels", False) or max(1, h // heads)
-    experts, moe_ffn, shared = (size(n, False) for n in ("num_moe_experts", "moe_ffn_hidden_size",
-                                                          "moe_shared_expert_intermediate_size"))
+    experts = max(size("num_moe_experts", False), size("num_experts", False))  # core's name, Megatron-LM's name
+    moe_ffn, shared = (size(n, False) for n in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"))
     positions = max(size("max_position_embeddings", False), size("seq_length", False))
     attention = h * (heads + 2 * groups) * d + heads * d * h + 2 * h + 2 * d
     dense = 3 * h * ffn

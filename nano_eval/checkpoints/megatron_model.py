@@ -49,6 +49,8 @@ def transformer_config(args: Mapping, *, tp: int, pp: int, ep: int = 1, dtype: t
     known = {f.name for f in fields(TransformerConfig)}
     kwargs = {k: args[k] for k in ARCHITECTURE if k in known and k in args and args[k] is not None and _plain(args[k])}
     heads = args["num_attention_heads"]
+    if "num_moe_experts" not in kwargs and type(args.get("num_experts")) is int:  # Megatron-LM's --num-experts
+        kwargs["num_moe_experts"] = args["num_experts"]
     kwargs.setdefault("normalization", "LayerNorm")
     if args.get("group_query_attention") and args.get("num_query_groups"):
         kwargs["num_query_groups"] = args["num_query_groups"]

@@ -231,8 +231,9 @@ def missing_requirements() -> list[str]:
     missing = []
     if importlib.util.find_spec("nanotron") is None:
         missing.append("nanotron (pip install 'nano_eval[nanotron]')")
-    if importlib.util.find_spec("flash_attn") is None:
-        missing.append("flash-attn (pip install flash-attn; nanotron's Llama imports it)")
+    if importlib.util.find_spec("flash_attn") is None or importlib.util.find_spec("flash_attn_2_cuda") is None:
+        missing.append("flash-attn with its CUDA kernels (pip install flash-attn on a CUDA machine; nanotron's Llama "
+                       "imports them)")
     return missing
 
 

@@ -1,8 +1,10 @@
 """Everything nano_eval needs to know about megatron-core's versions, in one module.
 
 - The layout comes from `megatron.core.parallel_state` (every release up to 0.16 and later), or from a
-  `ProcessGroupCollection` (`pg_collection`, with `.tp`, `.pp`, `.dp` groups) that newer releases pass around
-  instead of the global state. Context parallelism splits sequences over ranks: not supported for scoring.
+  `ProcessGroupCollection` (`pg_collection`, with `.tp`, `.pp`, `.dp` (`.dp_cp`, `.cp`) groups) that newer
+  releases pass around instead of the global state. Context-parallel ranks score whole rows as data-parallel
+  ranks (the data-parallel-with-CP group; nano_eval.backends.megatron_scoring switches CP off in the model while
+  scoring). Expert parallelism lives inside the data-parallel ranks and is reported, not sharded on.
 - `get_forward_backward_func` and the schedule it returns gained keyword arguments over releases
   (`pg_collection`, `p2p_communicator`, `adjust_tensor_shapes_fn`; 0.20 adds `schedule_pg_collection` to the
   getter): `call_schedule` passes only the keywords the installed schedule accepts.
@@ -45,13 +47,18 @@ def _rank_and_size(group) -> tuple[int, int]:
 def layout_from_megatron(pg_collection=None, device: str | None = None) -> ParallelLayout:
     """ParallelLayout view of Megatron's process groups (parallel_state, or a ProcessGroupCollection).
 
-    Logits come out of the last pipeline stage (output_pp_rank = pp - 1); inputs enter on the first.
+    Logits come out of the last pipeline stage (output_pp_rank = pp - 1); inputs enter on the first. Under context
+    parallelism the data-parallel group is the one with the CP ranks (dp x cp replicas, each scoring whole rows).
     device: where collective buffers live; default "cuda" under nccl, "cpu" otherwise.
     """
     ps = import_megatron_core()
     if pg_collection is not None:
-        tp_group, pp_group, dp_group = pg_collection.tp, pg_collection.pp, pg_collection.dp
-        cp_size = dist.get_world_size(pg_collection.cp) if getattr(pg_collection, "cp", None) is not None else 1
+        tp_group, pp_group = pg_collection.tp, pg_collection.pp
+        cp_group = getattr(pg_collection, "cp", None)
+        cp_size = dist.get_world_size(cp_group) if cp_group is not None else 1
+        dp_group = pg_collection.dp_cp if cp_size > 1 else pg_collection.dp
+        ep_group = getattr(pg_collection, "ep", None)
+        ep_size = dist.get_world_size(ep_group) if ep_group is not None else 1
     else:
         if not ps.model_parallel_is_initialized():
             raise NanoEvalError(
@@ -60,19 +67,15 @@ def layout_from_megatron(pg_collection=None, device: str | None = None) -> Paral
                 "the MegatronModel backend, or pass pg_collection."
             )
         tp_group, pp_group = ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group()
-        dp_group = ps.get_data_parallel_group(with_context_parallel=False)
-        cp_size = ps.get_context_parallel_world_size()
-    if cp_size > 1:
-        raise NanoEvalError(
-            f"context parallelism (cp={cp_size}) splits each sequence over ranks; nano_eval scores whole rows. "
-            "Fix: evaluate a checkpoint of this run with cp=1 (run.py --checkpoint <iter_XXXXXXX>)."
-        )
+        dp_group = ps.get_data_parallel_group(with_context_parallel=True)
+        cp_size, ep_size = ps.get_context_parallel_world_size(), ps.get_expert_model_parallel_world_size()
     (tp_rank, tp), (pp_rank, pp), (dp_rank, dp) = map(_rank_and_size, (tp_group, pp_group, dp_group))
     world = dist.get_world_size()
-    if tp * pp * dp != world:  # expert parallelism or a partial layout: the degrees do not cover the world
+    if tp * pp * dp != world:  # a partial layout (e.g. a pg_collection without its dp_cp group)
         raise NanoEvalError(
-            f"megatron layout tp={tp} x pp={pp} x dp={dp} = {tp * pp * dp} does not cover world_size={world} "
-            "(context or expert parallelism?). Fix: score a checkpoint with cp=1 and no expert parallelism."
+            f"megatron layout tp={tp} x pp={pp} x dp={dp} (with cp={cp_size}) = {tp * pp * dp} does not cover "
+            f"world_size={world}. Fix: pass a pg_collection whose tp, pp and dp (dp_cp under context "
+            "parallelism) groups cover the world, or build the backend after initialize_model_parallel."
         )
     if device is None:
         device = "cuda" if dist.get_backend() == "nccl" else "cpu"
@@ -82,7 +85,7 @@ def layout_from_megatron(pg_collection=None, device: str | None = None) -> Paral
         tp_rank=tp_rank, tp_size=tp, tp_group=tp_group,
         pp_rank=pp_rank, pp_size=pp, pp_group=pp_group,
         input_pp_rank=0, output_pp_rank=pp - 1,
-        device=device,
+        device=device, ep_size=ep_size, cp_size=cp_size,
     )
 
 

@@ -9,6 +9,10 @@
 - Under numpy >= 2, nanotron 0.4's `save_weights` writes the unsharded shape of chunked column linears (Llama's
   qkv_proj, gate_up_proj) as "(np.int64(192), 64)", which its own metadata parser cannot read, so `load_weights`
   fails whenever it must reshard. We teach the parser to read those strings (reading only; files are unchanged).
+- nanotron 0.4 requires `flash-attn>=2.5.0`, so a fresh install gets 2.8.x, whose `bert_padding.unpad_input`
+  returns 5 values (2.6 added the used lengths); the Llama inference path (its KV-cache prefill) unpacks 4.
+  `four_value_unpad_input` gives nanotron's Llama module an `unpad_input` that returns the first 4 (flash-attn 2.5
+  returns exactly those), leaving flash-attn's own module untouched.
 """
 
 from __future__ import annotations
@@ -73,6 +77,27 @@ def _read_numpy2_shape_metadata() -> None:
 
     from_str_dict._nano_eval_patched = True
     TensorMetadata.from_str_dict = classmethod(from_str_dict)
+
+
+def four_value_unpad_input(llama=None) -> None:
+    """Let nanotron's Llama inference path work with flash-attn 2.5 through 2.8 (see the module docstring):
+    `llama.bert_padding` (default: nanotron.models.llama's) becomes a copy of flash-attn's module whose `unpad_input`
+    returns (unpadded, indices, cu_seqlens, max_seqlen). Idempotent; only nanotron's reference changes."""
+    if llama is None:
+        import nanotron.models.llama as llama
+
+    padding = llama.bert_padding
+    if getattr(padding, "_nano_eval_four_values", False):
+        return
+    original = padding.unpad_input
+
+    def unpad_input(hidden_states, attention_mask, *args, **kwargs):
+        return tuple(original(hidden_states, attention_mask, *args, **kwargs))[:4]
+
+    adapted = types.ModuleType(padding.__name__, padding.__doc__)
+    adapted.__dict__.update({k: v for k, v in vars(padding).items() if not k.startswith("__")})
+    adapted.unpad_input, adapted._nano_eval_four_values = unpad_input, True
+    llama.bert_padding = adapted
 
 
 def cpu_parallel_context(tp: int, pp: int, dp: int):

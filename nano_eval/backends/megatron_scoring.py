@@ -1,0 +1,145 @@
+"""What MegatronModel changes in a megatron-core model while it scores, and puts back exactly afterwards.
+
+`ScoringState(chunks).applied()` wraps every forward of the backend (scoring, prefill, each decoding step):
+
+- Dropless MoE routing: a capacity factor (token dropping, a common training setting) makes a row's scores depend on
+  the other rows of its batch and of the other expert-parallel ranks' batches. While scoring, every MoE layer routes
+  every token to its top-k experts: `moe_expert_capacity_factor = None` and `moe_pad_expert_input_to_capacity =
+  False` on the configs (the router reads them at every forward), and the same on the token dispatchers, which copy
+  them at construction in megatron-core 0.16 (alltoall: `drop_and_pad`, `moe_expert_capacity_factor`; flex
+  dispatcher managers: `drop_and_pad`, `capacity_factor`). A dispatcher's attributes are restored whole, not just
+  those: a forward leaves its split sizes there, and the alltoall dispatcher's pad-to-capacity path relies on
+  finding the ones of its own previous forwards (None at first: equal splits), not a dropless forward's.
+  Input jitter (`moe_input_jitter_eps`, random noise that the 0.16 router applies in eval mode too) is off as well.
+- Training state untouched: each router's load-balancing counters (`local_tokens_per_expert` of aux-loss-free
+  balancing, the expert bias, the global aux loss's `global_tokens_per_expert` / `ga_steps`) and megatron-core's
+  MoE aux-loss logging tracker are copied before and written back after (0.16 skips them under no_grad; other
+  releases count in eval too), so the next optimizer step sees exactly what training put there.
+- Context parallelism off: each CP rank scores whole rows like a data-parallel rank (the layout counts CP ranks in
+  dp). Transformer Engine attention modules get `set_context_parallel_group(None, None, None, cp_comm_type)` (what
+  megatron's TEDotProductAttention does for packed sequences) and their group back after; rotary embeddings lose
+  their `cp_group` (no per-CP-rank slice of the positions); configs say `context_parallel_size = 1`.
+
+Every attribute is read when a forward starts and written back when it ends, so a trainer that changes one between
+evaluations is respected. Rank-local; no collectives.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+
+import torch
+
+from nano_eval.compat.megatron import unwrap
+
+_DROPLESS_CONFIG = {"moe_expert_capacity_factor": None, "moe_pad_expert_input_to_capacity": False,
+                    "moe_input_jitter_eps": None}
+_DROPLESS_DISPATCHER = {"drop_and_pad": False, "capacity_factor": None, "moe_expert_capacity_factor": None}
+_ROUTER_COUNTERS = ("local_tokens_per_expert", "expert_bias", "global_tokens_per_expert", "ga_steps")
+_TE_CP_ATTRS = ("cp_group", "cp_global_ranks", "cp_stream", "cp_comm_type")
+
+
+class ScoringState:
+    """The objects of `chunks` that scoring switches, found once (the model's structure does not change)."""
+
+    def __init__(self, chunks):
+        modules = [m for chunk in chunks for m in unwrap(chunk).modules()]
+        configs = {id(c): c for c in (getattr(m, "config", None) for m in modules) if c is not None}
+        self.configs = list(configs.values())
+        self.moe = any(getattr(c, "num_moe_experts", None) for c in self.configs)
+        dispatchers = [getattr(m, "token_dispatcher", None) for m in modules]
+        self.dispatchers = [d for d in dispatchers if d is not None]
+        self.dispatchers += [d._comm_manager for d in self.dispatchers if getattr(d, "_comm_manager", None)]
+        self.counters = [(m, name) for m in modules for name in _ROUTER_COUNTERS
+                         if isinstance(getattr(m, name, None), torch.Tensor)]
+        self.te_attention = [m for m in modules if callable(getattr(m, "set_context_parallel_group", None))]
+        self.rotary = [m for m in modules if _is_rotary(m)]
+
+    @property
+    def routing(self) -> str | None:
+        """How MoE layers route while scoring: "dropless", or None for a dense model."""
+        return "dropless" if self.moe else None
+
+    @contextmanager
+    def applied(self):
+        """While inside: dropless routing, training counters kept, context parallelism off (see the module)."""
+        flipped = []  # (object, attribute, value before)
+
+        def flip(obj, attr, value):
+            flipped.append((obj, attr, getattr(obj, attr)))
+            setattr(obj, attr, value)
+
+        counters = [(buf := getattr(m, name), buf.clone()) for m, name in self.counters]
+        tracker = _aux_loss_tracker() if self.moe else None
+        logged = {k: dict(v, values=v["values"].clone()) for k, v in tracker.items()} if tracker is not None else None
+        cp_groups = [(m, tuple(getattr(m, a, None) for a in _TE_CP_ATTRS)) for m in self.te_attention
+                     if _size(getattr(m, "cp_group", None)) > 1]
+        dispatchers = [(d, dict(vars(d))) for d in self.dispatchers]  # settings and what each forward leaves there
+        try:
+            for config in self.configs:
+                if getattr(config, "num_moe_experts", None):
+                    for attr, value in _DROPLESS_CONFIG.items():
+                        if hasattr(config, attr) and getattr(config, attr) != value:
+                            flip(config, attr, value)
+                if (getattr(config, "context_parallel_size", 1) or 1) > 1:
+                    flip(config, "context_parallel_size", 1)
+            for dispatcher, _ in dispatchers:
+                for attr, value in _DROPLESS_DISPATCHER.items():
+                    if attr in vars(dispatcher):
+                        setattr(dispatcher, attr, value)
+            for module in self.rotary:
+                if _size(getattr(module, "cp_group", None)) > 1:
+                    flip(module, "cp_group", None)
+            for module, saved in cp_groups:
+                module.set_context_parallel_group(None, None, None, saved[-1])
+            yield
+        finally:
+            for module, saved in cp_groups:
+                module.set_context_parallel_group(*saved)
+            for obj, attr, value in reversed(flipped):
+                setattr(obj, attr, value)
+            for dispatcher, saved in dispatchers:
+                vars(dispatcher).clear()
+                vars(dispatcher).update(saved)
+            with torch.no_grad():
+                for buf, saved in counters:
+                    buf.copy_(saved)
+            if tracker is not None:
+                for name in [k for k in tracker if k not in logged]:
+                    del tracker[name]
+                for name, entry in logged.items():
+                    if name in tracker:
+                        tracker[name]["values"].copy_(entry["values"])
+                        tracker[name].update({k: v for k, v in entry.items() if k != "values"})
+                    else:
+                        tracker[name] = entry
+
+
+def _size(group) -> int:
+    """Ranks in a process group (a list of groups, as hierarchical CP holds: the product); 1 for None."""
+    if group is None:
+        return 1
+    if isinstance(group, (list, tuple)):
+        return math.prod(_size(g) for g in group)
+    return group.size()
+
+
+def _is_rotary(module) -> bool:
+    """megatron-core's rotary embeddings (RotaryEmbedding, its YaRN subclass, MultimodalRotaryEmbedding): they slice
+    positions per CP rank when they hold a cp_group."""
+    try:
+        from megatron.core.models.common.embeddings.rotary_pos_embedding import (MultimodalRotaryEmbedding,
+                                                                                  RotaryEmbedding)
+    except ImportError:
+        return False
+    return isinstance(module, (RotaryEmbedding, MultimodalRotaryEmbedding))
+
+
+def _aux_loss_tracker() -> dict | None:
+    """megatron-core's MoE aux-loss logging tracker ({name: {"values": tensor [layers], ...}}), None if absent."""
+    try:
+        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+    except ImportError:
+        return None
+    return get_moe_layer_wise_logging_tracker()

