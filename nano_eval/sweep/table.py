@@ -1,5 +1,5 @@
 """The consolidated sweep table: one row per (checkpoint, task, metric), in step order, as CSV and parquet; and next
-to it the signal table (snr.py): one row per (task, metric), ranked by signal-to-noise.
+to it the signal table (snr.py): one row per (task, metric), improving curves first, ranked by trend / noise.
 
 Built from the per-checkpoint results.json files only, so a restarted sweep rebuilds exactly the same table. A
 checkpoint that failed (to load, or some of its tasks to score) adds one row whose `error` column says why (task and
@@ -68,8 +68,8 @@ def write_table(done: dict[int, Path], out_dir: str | Path, failed: dict[int, tu
 
 
 def write_signal_table(rows: list[dict], out_dir: str | Path) -> Path:
-    """`sweep_signal.csv` (+ `.parquet` when pyarrow imports): snr.ranked(rows), one row per task x metric, the
-    most signal first; returns the CSV path."""
+    """`sweep_signal.csv` (+ `.parquet` when pyarrow imports): snr.ranked(rows), one row per task x metric,
+    improving curves first, the largest trend / noise first; returns the CSV path."""
     out = Path(out_dir)
     stats = signal_rows(ranked(rows))
     text = io.StringIO()
@@ -82,7 +82,7 @@ def write_signal_table(rows: list[dict], out_dir: str | Path) -> Path:
         import pyarrow.parquet as pq
     except ImportError:
         return out / SIGNAL_CSV_NAME  # _write_parquet has said so for the main table
-    types = {"rank": pa.int64(), "task": pa.string(), "metric": pa.string(), "checkpoints": pa.int64(),
+    types = {"rank": pa.int64(), "task": pa.string(), "metric": pa.string(), "direction": pa.string(), "checkpoints": pa.int64(),
              "x": pa.string()}
     schema = pa.schema([(c, types.get(c, pa.float64())) for c in SIGNAL_COLUMNS])
     buffer = io.BytesIO()

@@ -1,0 +1,63 @@
+"""The learning-curve plots of the sweep report (report.py) and of `nano_eval compare` (compare.py): matplotlib
+only, the `report` extra (`pip install -e '.[report]'`). Without matplotlib the pages are written without plots
+and one warning says so (warn_missing); nothing else changes.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import sys
+
+COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b")
+INSTALL = "pip install -e '.[report]'"
+
+Series = list[tuple[float, float, float | None]]  # (x, value, stderr or None), x order
+
+
+def available() -> bool:
+    """True when matplotlib imports (its object API, no pyplot: no global state, no GUI backend)."""
+    try:
+        from matplotlib.figure import Figure  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def warn_missing(what: str) -> None:
+    """The one warning a page without plots gives: `what` names the page."""
+    print(f"nano_eval: warning: matplotlib is not installed: {what} has no plots. Fix: {INSTALL}", file=sys.stderr)
+
+
+def curves_png(series: dict[str, Series], title: str, xlabel: str, ylabel: str = "", log_x: bool = False,
+               size: tuple[float, float] = (5.0, 3.0)) -> bytes:
+    """A PNG of one line per series (a legend when there are several), each with a +-stderr band where it records
+    one; needs matplotlib (check available() first)."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=size, dpi=100)
+    ax = fig.subplots()
+    for (name, points), color in zip(series.items(), COLORS * (len(series) // len(COLORS) + 1)):
+        xs, ys = [x for x, _, _ in points], [y for _, y, _ in points]
+        ax.plot(xs, ys, marker="o", markersize=3, color=color, label=name)
+        if any(e is not None for _, _, e in points):
+            ax.fill_between(xs, [y - (e or 0) for _, y, e in points], [y + (e or 0) for _, y, e in points],
+                            color=color, alpha=0.2)
+    if log_x:
+        ax.set_xscale("log")
+    ax.set_title(title, fontsize=9)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if len(series) > 1:
+        ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return buf.getvalue()
+
+
+def img_tag(png: bytes, alt: str) -> str:
+    """An <img> with the PNG inlined as a base64 data URI (the page stays self-contained)."""
+    return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{base64.b64encode(png).decode()}">'
