@@ -1,13 +1,18 @@
 """`nano_eval compare OUT_A OUT_B ... --output-dir CMP`: the sweeps of several training runs on one plot per task,
-against consumed tokens, with every difference from the first run that is larger than the runs' noise flagged
-(nano_eval.sweep.compare states how)."""
+their signal, noise and SNR across runs (Heineman et al. 2025), decision accuracy between a small-scale and a
+target-scale group of runs, and every difference from the first run larger than the recorded standard errors
+flagged (nano_eval.sweep.compare states how)."""
 
 from __future__ import annotations
 
-from nano_eval.cli.options import Parser, positive_float
+from nano_eval.cli.options import Parser, positive_float, positive_int
 from nano_eval.cli.runtime import run_command
 
 COMMAND = "nano_eval compare"
+
+
+def _names(text: str | None) -> list[str] | None:
+    return [n.strip() for n in text.split(",") if n.strip()] if text else None
 
 
 def build_parser() -> Parser:
@@ -15,11 +20,19 @@ def build_parser() -> Parser:
     p.add_argument("sweeps", nargs="+", metavar="SWEEP_OUT", help="output folders of `nano_eval sweep` (the first "
                                                                     "is the baseline)")
     p.add_argument("--output-dir", default="nano_eval_compare",
-                   help="where compare.csv and index.html go (default: %(default)s)")
+                   help="where compare.csv, compare_signal.csv and index.html go (default: %(default)s)")
     p.add_argument("--labels", default=None, help="comma-separated run names, in the folders' order "
                                                   "(default: the folder names)")
     p.add_argument("--threshold", type=positive_float, default=2.0,
-                   help="flag a difference larger than this many noise units (default: %(default)s)")
+                   help="flag a difference larger than this many standard errors (default: %(default)s)")
+    p.add_argument("--last-n", type=positive_int, default=5,
+                   help="checkpoints at the end of each run behind signal (their mean) and noise (their relative "
+                        "std) (default: %(default)s, as Heineman et al. at small scale)")
+    p.add_argument("--small", default=None, metavar="A,B,...",
+                   help="runs (labels) of the models at small scale, for decision accuracy; with --target")
+    p.add_argument("--target", default=None, metavar="C,D,...",
+                   help="runs (labels) of the same models at target scale, in --small's order: model i is "
+                        "small[i] and target[i]")
     return p
 
 
@@ -33,14 +46,24 @@ def main(argv: list[str]) -> int:
     def body() -> int:
         from nano_eval.sweep.compare import write_comparison
 
-        labels = args.labels.split(",") if args.labels else None
-        found = write_comparison(args.sweeps, labels, args.output_dir, args.threshold)
+        found, population = write_comparison(args.sweeps, _names(args.labels), args.output_dir, args.threshold,
+                                             args.last_n, _names(args.small), _names(args.target))
         flagged = [d for d in found if d.flagged]
-        print(f"{len(found)} comparisons, {len(flagged)} larger than {args.threshold:g} x noise; "
-              f"{args.output_dir}/index.html, {args.output_dir}/compare.csv")
+        print(f"{len(found)} comparisons, {len(flagged)} larger than {args.threshold:g} x stderr; "
+              f"{args.output_dir}/index.html, {args.output_dir}/compare.csv, {args.output_dir}/compare_signal.csv")
         for d in flagged:
             print(f"  {d.task} {d.metric}: {d.run} {d.value:.4f} vs {d.baseline} {d.baseline_value:.4f} at "
                   f"{d.x} {d.at:.4g} (difference {d.difference:+.4f}, z {d.z:+.1f})")
+        print(f"signal and noise across runs (last {args.last_n} checkpoints):")
+        for p in population:
+            accuracy = "" if p.decision_accuracy is None else \
+                f", decision accuracy {p.decision_accuracy:.2f} ({p.pairs} pairs)"
+            print(f"  {p.task} {p.metric}: signal {_fmt(p.signal)}, noise {_fmt(p.noise)}, SNR {_fmt(p.snr, '.3g')}"
+                  f"{accuracy}")
         return 0
 
     return run_command(body, "compare")
+
+
+def _fmt(v, fmt: str = ".4f") -> str:
+    return "-" if v is None else format(v, fmt)

@@ -1,41 +1,53 @@
 """Compare the sweeps of several training runs: `nano_eval compare OUT_A OUT_B ... --output-dir CMP`.
 
-Reads each sweep's `sweep_results.csv`; for every task x metric the runs share it draws their curves on one plot
-against consumed tokens (steps when a run's tokens are unknown), with stderr bands, and compares each run with
-the first one (the baseline) where both have been: at x* = the smaller of the two runs' last x,
+Reads each sweep's `sweep_results.csv` and, for every task x metric:
 
-    value(x*) = a + b ln x*     least-squares line through the run's last K (10) checkpoints at or before x*
-    se(x*)    = jitter * sqrt(1/K + (ln x* - mean ln x)^2 / sum (ln x - mean ln x)^2)
-                                 jitter: the residual std of that line (snr.py), i.e. the checkpoint noise
-    difference = value_run(x*) - value_baseline(x*),   z = difference / sqrt(se_run^2 + se_baseline^2)
-    flagged when |z| > threshold (default 2)
+1. Signal, noise and SNR across the runs, and decision accuracy between a small-scale and a target-scale group of
+   runs, as Heineman et al. (2025, arXiv 2508.13144) define them (formulas: nano_eval.sweep.snr, part 1):
 
-With fewer than 3 checkpoints a run's value is interpolated linearly in ln x and its se is the metric's stderr
-at the nearest checkpoint.
+       signal = max_{j,k} |m_j - m_k| / |mean(m)|,   m_j = mean of run j's last n checkpoints
+       noise  = mean over runs of std(last n) / |mean(last n)|     (n = --last-n, default 5)
+       SNR    = signal / noise
+       decision accuracy = share of pairs (i, j) of models ordered alike at small and at target scale
+                           (--small A,B,C --target D,E,F: model i is run small[i] at small scale and target[i] at
+                           target scale; final scores)
 
-Writes `<CMP>/compare.csv` (one row per task x metric x run) and `<CMP>/index.html` (the plots, inlined, and the
-table, flagged rows first).
+2. Each run against the first (the baseline), where both have been: at x* = the smaller of the two runs' last
+   consumed-token counts (steps when a run's tokens are unknown), each run's value is its recorded value at x*
+   when it has a checkpoint there, else the linear interpolation in ln x between its two checkpoints around x*
+   (never a fitted or extrapolated value: it stays within the run's observed values, so accuracies and
+   probabilities stay in [0, 1]); its standard error is the metric's recorded stderr there (interpolated alike).
+
+       difference = value_run(x*) - value_baseline(x*)
+       z          = difference / sqrt(se_run^2 + se_baseline^2)     flagged when |z| > threshold (default 2)
+
+   Without a recorded stderr in either run z is empty and nothing is flagged.
+
+Writes `<CMP>/compare.csv` (one row per task x metric x run against the baseline), `<CMP>/compare_signal.csv`
+(one row per task x metric: signal, noise, SNR, decision accuracy) and `<CMP>/index.html` (the tables and, with
+matplotlib, one plot per task x metric: plots.py).
 """
 
 from __future__ import annotations
 
-import base64
 import csv
 import html
 import io
 import math
-import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from nano_eval.errors import NanoEvalError
-from nano_eval.sweep.snr import LAST_K, Curve, detrended_jitter, line_fit, table_curves
+from nano_eval.sweep import plots
+from nano_eval.sweep.metric_kinds import bounded
+from nano_eval.sweep.snr import LAST_N, Curve, PopulationStats, population_stats, table_curves
 from nano_eval.sweep.table import CSV_NAME, read_table
 from nano_eval.tracking.files import atomic_write_text
 
 COLUMNS = ("task", "metric", "run", "baseline", "x", "at", "value", "baseline_value", "difference", "noise", "z",
            "flagged")
-COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b")
+SIGNAL_COLUMNS = ("task", "metric", "runs", "last_n", "signal", "noise", "snr", "decision_accuracy", "pairs")
+CSV_OUT, SIGNAL_CSV_OUT, HTML_OUT = "compare.csv", "compare_signal.csv", "index.html"
 
 
 @dataclass(frozen=True)
@@ -46,10 +58,10 @@ class Difference:
     baseline: str
     x: str  # "consumed_tokens" | "step"
     at: float  # x*: the last x both runs reached
-    value: float  # value(x*) of the run
+    value: float  # the run's value at x* (observed, or interpolated between observed checkpoints)
     baseline_value: float
     difference: float
-    noise: float | None  # sqrt(se_run^2 + se_baseline^2)
+    noise: float | None  # sqrt(se_run^2 + se_baseline^2) from the recorded stderrs
     z: float | None
     flagged: bool
 
@@ -61,35 +73,29 @@ def load_curves(out_dir: Path) -> dict[tuple[str, str], Curve]:
     return table_curves(read_table(out_dir))
 
 
-def interpolate(points: list[tuple[float, float]], at: float) -> float | None:
-    """The curve's value at `at`, linear in ln x between the two points around it (None outside the curve)."""
-    for (x0, y0), (x1, y1) in zip(points, points[1:]):
-        if x0 <= at <= x1:
-            if x1 == x0 or x0 <= 0:
-                return y1 if at == x1 else y0
-            return y0 + (y1 - y0) * (math.log(at) - math.log(x0)) / (math.log(x1) - math.log(x0))
-    return points[0][1] if len(points) == 1 and points[0][0] == at else None
+def interpolate(points: list[tuple[float, float, float | None]], at: float) -> tuple[float, float | None] | None:
+    """(value, stderr) of a curve at x = `at`: points are (x, value, stderr or None) in x order. A checkpoint at
+    `at` gives its own; between two checkpoints both are interpolated linearly in ln x (in x when the lower x is
+    0); None outside the curve (nothing is extrapolated)."""
+    for x, y, e in points:
+        if x == at:
+            return y, e
+    for (x0, y0, e0), (x1, y1, e1) in zip(points, points[1:]):
+        if x0 < at < x1:
+            w = (math.log(at) - math.log(x0)) / (math.log(x1) - math.log(x0)) if x0 > 0 else (at - x0) / (x1 - x0)
+            return y0 + w * (y1 - y0), (e0 + w * (e1 - e0) if e0 is not None and e1 is not None else None)
+    return None
 
 
-def value_at(curve: Curve, at: float, use_tokens: bool, last_k: int = LAST_K) -> tuple[float, float | None] | None:
-    """(value, its standard error) of the curve at x = `at` (see the module docstring); None outside it."""
-    pts = [(float(t if use_tokens else s), v, e) for s, t, v, e in curve]
-    if not pts or not pts[0][0] <= at <= pts[-1][0]:
-        return None
-    window = [(math.log(x), y) for x, y, _ in pts if 0 < x <= at][-last_k:]
-    xs, ys = [x for x, _ in window], [y for _, y in window]
-    jitter = detrended_jitter(xs, ys)
-    if jitter is not None:
-        a, b = line_fit(xs, ys)
-        mx = sum(xs) / len(xs)
-        lever = (math.log(at) - mx) ** 2 / sum((x - mx) ** 2 for x in xs)
-        return a + b * math.log(at), jitter * math.sqrt(1 / len(xs) + lever)
-    nearest = min(pts, key=lambda p: abs(p[0] - at))
-    return interpolate([(x, y) for x, y, _ in pts], at), nearest[2]
+def value_at(curve: Curve, at: float, use_tokens: bool) -> tuple[float, float | None] | None:
+    """(value, standard error) of a curve ((step, tokens, value, stderr) in step order) at x = `at` (tokens when
+    `use_tokens`, else steps), from interpolate(): always within the values the run recorded; None outside it."""
+    return interpolate([(float(t if use_tokens else s), v, e) for s, t, v, e in curve], at)
 
 
 def differences(runs: dict[str, dict[tuple[str, str], Curve]], threshold: float = 2.0) -> list[Difference]:
-    """Every run against the first, per shared task x metric (flagged first, then by |z|)."""
+    """Every run against the first (`runs`: name -> its curves, the baseline first), per shared task x metric:
+    flagged first, then by |z|."""
     names = list(runs)
     base_name, out = names[0], []
     for key, base in runs[base_name].items():
@@ -98,8 +104,7 @@ def differences(runs: dict[str, dict[tuple[str, str], Curve]], threshold: float 
             if not other:
                 continue
             use_tokens = all(t for _, t, _, _ in base + other)
-            last = [float(c[-1][1] if use_tokens else c[-1][0]) for c in (base, other)]
-            at = min(last)
+            at = min(float(c[-1][1] if use_tokens else c[-1][0]) for c in (base, other))
             va, vb = value_at(base, at, use_tokens), value_at(other, at, use_tokens)
             if va is None or vb is None:
                 continue  # the runs do not overlap
@@ -110,96 +115,108 @@ def differences(runs: dict[str, dict[tuple[str, str], Curve]], threshold: float 
     return sorted(out, key=lambda d: (not d.flagged, -abs(d.z or 0)))
 
 
-def write_comparison(out_dirs: list[str], labels: list[str] | None, dest: str, threshold: float = 2.0
-                     ) -> list[Difference]:
-    """Compare the sweeps in `out_dirs` (first = baseline); write compare.csv and index.html into `dest`."""
+def signal_table(runs: dict[str, dict[tuple[str, str], Curve]], last_n: int = LAST_N,
+                 small: list[str] | None = None, target: list[str] | None = None) -> list[PopulationStats]:
+    """snr.population_stats of every task x metric that two or more runs have, in the runs' order."""
+    keys = list(dict.fromkeys(k for c in runs.values() for k in c))
+    out = []
+    for key in keys:
+        curves = {name: c[key] for name, c in runs.items() if c.get(key)}
+        if len(curves) >= 2:
+            out.append(population_stats(*key, curves, last_n, small, target))
+    return out
+
+
+def check_groups(labels: list[str], small: list[str] | None, target: list[str] | None) -> None:
+    """Refuse --small / --target that are not two equally long lists (2 or more) of the runs' labels."""
+    if not small and not target:
+        return
+    if not small or not target or len(small) != len(target) or len(small) < 2:
+        raise NanoEvalError(f"--small and --target need the same number (2 or more) of runs, got {small} and "
+                            f"{target}. Fix: --small a,b --target c,d (model i: small[i] and target[i]).")
+    unknown = [n for n in small + target if n not in labels]
+    if unknown:
+        raise NanoEvalError(f"--small / --target name runs that are not compared: {unknown}; the runs are "
+                            f"{labels}. Fix: use the --labels (or folder names) of the sweeps given.")
+
+
+def write_comparison(out_dirs: list[str], labels: list[str] | None, dest: str, threshold: float = 2.0,
+                     last_n: int = LAST_N, small: list[str] | None = None, target: list[str] | None = None
+                     ) -> tuple[list[Difference], list[PopulationStats]]:
+    """Compare the sweeps in `out_dirs` (first = baseline); write compare.csv, compare_signal.csv and index.html
+    into `dest`; returns (the differences, the signal table)."""
     labels = labels or [Path(d).resolve().name for d in out_dirs]
     if len(labels) != len(out_dirs) or len(set(labels)) != len(labels):
         raise NanoEvalError(f"--labels needs one distinct name per sweep folder ({len(out_dirs)}), got {labels}. "
                             "Fix: --labels a,b,... in the folders' order.")
+    check_groups(labels, small, target)
     runs = {label: load_curves(Path(d)) for label, d in zip(labels, out_dirs)}
     found = differences(runs, threshold)
+    population = signal_table(runs, last_n, small, target)
+    atomic_write_text(Path(dest) / CSV_OUT, _csv(COLUMNS, [asdict(d) for d in found]))
+    atomic_write_text(Path(dest) / SIGNAL_CSV_OUT, _csv(SIGNAL_COLUMNS, [asdict(p) for p in population]))
+    atomic_write_text(Path(dest) / HTML_OUT, _page(runs, found, population, threshold, last_n))
+    return found, population
+
+
+def _csv(columns: tuple[str, ...], rows: list[dict]) -> str:
     text = io.StringIO()
-    writer = csv.DictWriter(text, fieldnames=COLUMNS, lineterminator="\n")
+    writer = csv.DictWriter(text, fieldnames=columns, lineterminator="\n")
     writer.writeheader()
-    writer.writerows({k: ("" if v is None else v) for k, v in asdict(d).items()} for d in found)
-    atomic_write_text(Path(dest) / "compare.csv", text.getvalue())
-    atomic_write_text(Path(dest) / "index.html", _page(runs, found, threshold))
-    return found
+    writer.writerows({k: ("" if v is None else v) for k, v in r.items()} for r in rows)
+    return text.getvalue()
 
 
-def _plot(key: tuple[str, str], runs: dict[str, dict[tuple[str, str], Curve]]) -> str:
-    """One figure (an <img> PNG, or an <svg> without matplotlib) with every run's curve of `key`."""
+def _figure(key: tuple[str, str], runs: dict[str, dict[tuple[str, str], Curve]]) -> str:
+    """One <img>: every run's curve of `key` against consumed tokens (log scale; steps when unknown)."""
     curves = {name: c[key] for name, c in runs.items() if key in c}
     use_tokens = all(t for c in curves.values() for _, t, _, _ in c)
-    try:
-        from matplotlib.figure import Figure
-    except ImportError:
-        return _svg(curves, use_tokens, f"{key[0]} {key[1]}")
-    fig = Figure(figsize=(5.5, 3.2), dpi=100)
-    ax = fig.subplots()
-    for (name, curve), color in zip(curves.items(), COLORS * 10):
-        xs = [t if use_tokens else s for s, t, _, _ in curve]
-        ys = [v for _, _, v, _ in curve]
-        ax.plot(xs, ys, marker="o", markersize=3, color=color, label=name)
-        errs = [e or 0.0 for _, _, _, e in curve]
-        ax.fill_between(xs, [y - e for y, e in zip(ys, errs)], [y + e for y, e in zip(ys, errs)], color=color,
-                        alpha=0.15)
-    if use_tokens:
-        ax.set_xscale("log")
-    ax.set_xlabel("consumed tokens" if use_tokens else "training step")
-    ax.set_title(f"{key[0]}  {key[1]}", fontsize=9)
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    return f'<img alt="{html.escape(key[0])} {html.escape(key[1])}" src="data:image/png;base64,' \
-           f'{base64.b64encode(buf.getvalue()).decode()}">'
+    series = {name: [(t if use_tokens else s, v, e) for s, t, v, e in c] for name, c in curves.items()}
+    png = plots.curves_png(series, f"{key[0]}  {key[1]}", "consumed tokens" if use_tokens else "training step",
+                           key[1], log_x=use_tokens, size=(5.5, 3.2), unit_interval=bounded(key[1]))
+    return plots.img_tag(png, f"{key[0]} {key[1]}")
 
 
-def _svg(curves: dict[str, Curve], use_tokens: bool, label: str, width: int = 400, height: int = 200,
-         pad: int = 24) -> str:
-    pts = {n: [(math.log(max(t if use_tokens else s, 1)), v) for s, t, v, _ in c] for n, c in curves.items()}
-    xs = [x for p in pts.values() for x, _ in p]
-    ys = [y for p in pts.values() for _, y in p]
-    x0, x1, y0, y1 = min(xs), max(xs), min(ys), max(ys)
-    sx, sy = (width - 2 * pad) / ((x1 - x0) or 1), (height - 2 * pad) / ((y1 - y0) or 1)
-    lines = "".join(
-        f'<polyline fill="none" stroke="{color}" stroke-width="2" points="'
-        + " ".join(f"{pad + (x - x0) * sx:.1f},{height - pad - (y - y0) * sy:.1f}" for x, y in p) + '"/>'
-        for p, color in zip(pts.values(), COLORS * 10))
-    legend = ", ".join(f'<tspan fill="{c}">{html.escape(n)}</tspan>' for n, c in zip(pts, COLORS * 10))
-    return (f'<svg role="img" aria-label="{html.escape(label)}" width="{width}" height="{height}">{lines}'
-            f'<text x="{pad}" y="14" font-size="11">{legend}</text></svg>')
+def _num(v, fmt: str = ".4f") -> str:
+    return "" if v is None else format(v, fmt)
 
 
-def _page(runs: dict, found: list[Difference], threshold: float) -> str:
+def _page(runs: dict, found: list[Difference], population: list[PopulationStats], threshold: float,
+          last_n: int) -> str:
     keys = list(dict.fromkeys(k for c in runs.values() for k in c))
-    if "matplotlib" not in sys.modules:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            print("nano_eval: warning: matplotlib is not installed: the comparison draws SVG curves. Fix: pip "
-                  "install matplotlib", file=sys.stderr)
+    draw = plots.available()
+    if not draw:
+        plots.warn_missing("the comparison page")
     rows = "".join(
         f'<tr data-flagged="{int(d.flagged)}" data-task="{html.escape(d.task)}" data-metric="{html.escape(d.metric)}"'
         f' data-run="{html.escape(d.run)}"{" style=background:#fdd" if d.flagged else ""}>'
         f"<td>{html.escape(d.task)}</td><td>{html.escape(d.metric)}</td><td>{html.escape(d.run)}</td>"
         f"<td>{d.at:.4g}</td><td>{d.value:.4f}</td><td>{d.baseline_value:.4f}</td><td>{d.difference:+.4f}</td>"
-        f"<td>{'' if d.noise is None else format(d.noise, '.4f')}</td>"
-        f"<td>{'' if d.z is None else format(d.z, '+.2f')}</td><td>{'yes' if d.flagged else ''}</td></tr>"
+        f"<td>{_num(d.noise)}</td><td>{_num(d.z, '+.2f')}</td><td>{'yes' if d.flagged else ''}</td></tr>"
         for d in found)
-    figures = "".join(f'<figure data-task="{html.escape(t)}" data-metric="{html.escape(m)}">{_plot((t, m), runs)}'
-                      f"<figcaption>{html.escape(t)} {html.escape(m)}</figcaption></figure>" for t, m in keys)
+    signal = "".join(
+        f'<tr data-population="1" data-task="{html.escape(p.task)}" data-metric="{html.escape(p.metric)}">'
+        f"<td>{html.escape(p.task)}</td><td>{html.escape(p.metric)}</td><td>{p.runs}</td><td>{_num(p.signal)}</td>"
+        f"<td>{_num(p.noise)}</td><td>{_num(p.snr, '.3g')}</td><td>{_num(p.decision_accuracy, '.2f')}</td>"
+        f"<td>{p.pairs or ''}</td></tr>" for p in population)
+    figures = "".join(f'<figure data-task="{html.escape(t)}" data-metric="{html.escape(m)}">{_figure((t, m), runs)}'
+                      f"<figcaption>{html.escape(t)} {html.escape(m)}</figcaption></figure>"
+                      for t, m in keys) if draw else ""
     names = list(runs)
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>nano_eval compare</title>"
             "<style>body{font-family:sans-serif;margin:2em}figure{display:inline-block;margin:.5em}"
             "table{border-collapse:collapse;font-size:13px}td,th{border:1px solid #ccc;padding:2px 6px}</style>"
             f"</head><body><h1>nano_eval compare: {', '.join(html.escape(n) for n in names)}</h1>"
-            f"<p>Baseline: {html.escape(names[0])}. Each run is read at the last consumed-token count both it and "
-            "the baseline reached, from a line through its last checkpoints there; flagged: |difference| &gt; "
-            f"{threshold:g} &times; sqrt(se<sub>run</sub>&sup2; + se<sub>baseline</sub>&sup2;) (README).</p>"
-            "<table><tr><th>task</th><th>metric</th><th>run</th><th>at</th>"
+            "<h2>Signal and noise across runs</h2><p>Heineman et al. (2025, arXiv 2508.13144): signal = "
+            "max<sub>j,k</sub> |m<sub>j</sub> - m<sub>k</sub>| / mean(m), m<sub>j</sub> the mean of run j's last "
+            f"{last_n} checkpoints; noise = mean over runs of std / mean of their last {last_n} checkpoints; SNR = "
+            "signal / noise; decision accuracy = share of model pairs ordered alike at small and target scale "
+            "(--small / --target; README).</p><table><tr><th>task</th><th>metric</th><th>runs</th><th>signal</th>"
+            f"<th>noise</th><th>SNR</th><th>decision accuracy</th><th>pairs</th></tr>{signal}</table>"
+            f"<h2>Differences from {html.escape(names[0])}</h2><p>Each run is read at the last consumed-token count "
+            "both it and the baseline reached: its recorded value there, or the value interpolated between its two "
+            "checkpoints around it (nothing is extrapolated); flagged: |difference| &gt; "
+            f"{threshold:g} &times; sqrt(se<sub>run</sub>&sup2; + se<sub>baseline</sub>&sup2;), the recorded "
+            "stderrs.</p><table><tr><th>task</th><th>metric</th><th>run</th><th>at</th>"
             "<th>value</th><th>baseline</th><th>difference</th><th>noise</th><th>z</th><th>flagged</th></tr>"
             f"{rows}</table>{figures}</body></html>\n")

@@ -31,9 +31,10 @@ def warn_missing(what: str) -> None:
 
 
 def curves_png(series: dict[str, Series], title: str, xlabel: str, ylabel: str = "", log_x: bool = False,
-               size: tuple[float, float] = (5.0, 3.0)) -> bytes:
+               size: tuple[float, float] = (5.0, 3.0), unit_interval: bool = False) -> bytes:
     """A PNG of one line per series (a legend when there are several), each with a +-stderr band where it records
-    one; needs matplotlib (check available() first)."""
+    one, the band cut to [0, 1] when `unit_interval` (a bounded metric: metric_kinds.bounded); needs matplotlib
+    (check available() first)."""
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=size, dpi=100)
@@ -42,8 +43,10 @@ def curves_png(series: dict[str, Series], title: str, xlabel: str, ylabel: str =
         xs, ys = [x for x, _, _ in points], [y for _, y, _ in points]
         ax.plot(xs, ys, marker="o", markersize=3, color=color, label=name)
         if any(e is not None for _, _, e in points):
-            ax.fill_between(xs, [y - (e or 0) for _, y, e in points], [y + (e or 0) for _, y, e in points],
-                            color=color, alpha=0.2)
+            lo, hi = [y - (e or 0) for _, y, e in points], [y + (e or 0) for _, y, e in points]
+            if unit_interval:
+                lo, hi = [max(0.0, v) for v in lo], [min(1.0, v) for v in hi]
+            ax.fill_between(xs, lo, hi, color=color, alpha=0.2)
     if log_x:
         ax.set_xscale("log")
     ax.set_title(title, fontsize=9)

@@ -14,6 +14,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from nano_eval.sweep import plots
+from nano_eval.sweep.metric_kinds import bounded
 from nano_eval.sweep.snr import CurveStats, ranked
 from nano_eval.sweep.table import read_table
 from nano_eval.tracking.files import atomic_write_bytes, atomic_write_text, safe_file_name
@@ -46,7 +47,8 @@ def write_report(out_dir: str | Path) -> Path:
         for task, metrics in data.items():
             for metric, points in metrics.items():
                 series = {metric: [(s, v, e) for s, v, e in points if v is not None]}
-                png = plots.curves_png(series, f"{task}  {metric}", "training step", metric)
+                png = plots.curves_png(series, f"{task}  {metric}", "training step", metric,
+                                       unit_interval=bounded(metric))
                 atomic_write_bytes(out / REPORT_DIR / f"{file_stem(task, metric)}.png", png)
                 figures[task, metric] = plots.img_tag(png, f"{task} {metric}")
     else:

@@ -36,8 +36,9 @@
        stderr    = mean s_i over the same last K checkpoints   the noise of scoring a finite set of documents
        noise     = jitter when K >= 3, else stderr
        trend_to_noise = trend / noise
-       direction = "flat" when trend <= noise (or no slope); else "improves" when the slope goes the metric's
-                   better way (up, or down for lower-is-better metrics: metric_kinds.py), "worsens" otherwise
+       slope_se  = noise / sqrt(sum (x_i - mean x)^2)     the slope's standard error
+       direction = "flat" when |slope| <= 2 slope_se (or no slope); else "improves" when the slope goes the
+                   metric's better way (up, or down for lower-is-better metrics: metric_kinds.py), "worsens"
        tau       = Kendall tau-b of (step, y): +1 rises at every checkpoint, -1 falls, 0 no order
 
    Ranked: improving curves first, then flat ones, then worsening ones, each by trend_to_noise, highest first; a
@@ -181,10 +182,10 @@ def kendall_tau(xs: list[float], ys: list[float]) -> float | None:
     return (concordant - discordant) / denominator if denominator else None
 
 
-def direction(metric: str, slope: float | None, trend: float | None, noise: float | None) -> str:
-    """"flat" when there is no slope or the trend is no larger than the noise; else "improves" when the slope goes
-    the metric's better way (metric_kinds.lower_is_better), "worsens" otherwise."""
-    if not slope or trend is None or (noise is not None and trend <= noise):
+def direction(metric: str, slope: float | None, slope_se: float | None) -> str:
+    """"flat" when there is no slope or it is within two standard errors (`slope_se`) of zero; else "improves"
+    when the slope goes the metric's better way (metric_kinds.lower_is_better), "worsens" otherwise."""
+    if not slope or (slope_se is not None and abs(slope) <= 2 * slope_se):
         return "flat"
     return "improves" if (slope < 0) == lower_is_better(metric) else "worsens"
 
@@ -207,8 +208,10 @@ def curve_stats(task: str, metric: str, points: Curve, last_k: int = LAST_K) -> 
     stderr = sum(errs) / len(errs) if errs else None
     noise = jitter if jitter is not None else stderr
     ratio = trend / noise if trend is not None and noise else None
+    slope_se = noise / math.sqrt(sum((x - sum(xs) / len(xs)) ** 2 for x in xs)) if slope is not None and noise \
+        is not None else None
     tau = kendall_tau([float(s) for s, _, _, _ in pts], [v for _, _, v, _ in pts])
-    return CurveStats(task, metric, direction(metric, slope, trend, noise), len(pts), x_name, pts[0][2], pts[-1][2],
+    return CurveStats(task, metric, direction(metric, slope, slope_se), len(pts), x_name, pts[0][2], pts[-1][2],
                       pts[-1][2] - pts[0][2], slope, trend, jitter, stderr, noise, ratio, tau)
 
 
