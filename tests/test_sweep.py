@@ -293,7 +293,7 @@ def test_report_holds_every_task_metric_and_step(swept):
     assert {p.name for p in (out / "report").glob("*.png")} == {f"{file_stem(t, m)}.png" for t, m in expected}
 
 
-def test_report_without_matplotlib_draws_svg(swept, tmp_path, monkeypatch, capsys):
+def test_report_without_matplotlib_has_tables_and_one_warning(swept, tmp_path, monkeypatch, capsys):
     import shutil
     import sys
 
@@ -302,8 +302,10 @@ def test_report_without_matplotlib_draws_svg(swept, tmp_path, monkeypatch, capsy
     shutil.copy(swept[1] / "sweep_results.csv", tmp_path / "sweep_results.csv")
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # `import matplotlib.figure` fails, as if absent
     page = write_report(tmp_path).read_text()
-    assert "matplotlib is not installed" in capsys.readouterr().err
-    assert page.count("<polyline") == len({(r["task"], r["metric"]) for r in read_table(tmp_path)})
+    err = capsys.readouterr().err
+    assert err.count("matplotlib is not installed") == 1 and "pip install -e '.[report]'" in err
+    assert "<img" not in page and "<svg" not in page and 'data-signal="1"' in page
+    assert page.count("<figure") == len({(r["task"], r["metric"]) for r in read_table(tmp_path)})
     assert not list((tmp_path / "report").glob("*.png"))
 
 

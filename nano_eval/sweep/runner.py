@@ -354,7 +354,8 @@ class SweepRunner:
         return logger
 
     def _log_signal_table(self) -> None:
-        """The ranked signal table (sweep_signal.csv) as the W&B table `sweep/signal_to_noise`."""
+        """The ranked trend / noise table (sweep_signal.csv, snr.py part 2) as the W&B table
+        `sweep/signal_to_noise` (its name kept for existing dashboards)."""
         from nano_eval.sweep.snr import COLUMNS, ranked, signal_rows
         from nano_eval.sweep.table import table_rows
 
