@@ -95,6 +95,7 @@ def test_synthetic_population_has_the_known_snr_and_decision_accuracy():
     assert final_small == sorted(final_small)
     with_da = population_stats("t", "acc", runs, last_n=6, small=small, target=target)
     assert with_da.decision_accuracy == pytest.approx(13 / 15, rel=0.01) and with_da.pairs == 15
+    assert (with_da.signal, with_da.noise, with_da.runs) == (st.signal, st.noise, 6)  # over the small runs only
 
 
 def test_synthetic_gaussian_population_matches_the_formulas():
@@ -311,6 +312,8 @@ def test_compare_decision_accuracy_from_the_cli(tmp_path, capsys, monkeypatch):
     assert captured.err.count("pip install -e '.[report]'") == 1
     [row] = list(csv.DictReader((tmp_path / "cmp" / "compare_signal.csv").open()))
     assert float(row["decision_accuracy"]) == pytest.approx(2 / 3) and row["pairs"] == "3" and row["last_n"] == "3"
+    # over the --small runs: last 3 = 0.3, 0.3, final -> m = 0.3 + (0, 0.1, 0.2) / 3, signal = (0.2 / 3) / (1 / 3)
+    assert row["runs"] == "3" and float(row["signal"]) == pytest.approx(0.2)
 
 
 def test_compare_never_leaves_a_bounded_metric_or_the_observed_range(tmp_path, capsys, monkeypatch):

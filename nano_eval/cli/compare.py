@@ -29,7 +29,8 @@ def build_parser() -> Parser:
                    help="checkpoints at the end of each run behind signal (their mean) and noise (their relative "
                         "std) (default: %(default)s, as Heineman et al. at small scale)")
     p.add_argument("--small", default=None, metavar="A,B,...",
-                   help="runs (labels) of the models at small scale, for decision accuracy; with --target")
+                   help="runs (labels) of the models at small scale, for decision accuracy (with --target); "
+                        "signal and noise are then taken over these runs")
     p.add_argument("--target", default=None, metavar="C,D,...",
                    help="runs (labels) of the same models at target scale, in --small's order: model i is "
                         "small[i] and target[i]")

@@ -5,7 +5,8 @@ Reads each sweep's `sweep_results.csv` and, for every task x metric:
 1. Signal, noise and SNR across the runs, and decision accuracy between a small-scale and a target-scale group of
    runs, as Heineman et al. (2025, arXiv 2508.13144) define them (formulas: nano_eval.sweep.snr, part 1):
 
-       signal = max_{j,k} |m_j - m_k| / |mean(m)|,   m_j = mean of run j's last n checkpoints
+       signal = max_{j,k} |m_j - m_k| / |mean(m)|,   m_j = mean of run j's last n checkpoints, j over the
+                                                      --small runs when given, else over all runs
        noise  = mean over runs of std(last n) / |mean(last n)|     (n = --last-n, default 5)
        SNR    = signal / noise
        decision accuracy = share of pairs (i, j) of models ordered alike at small and at target scale

@@ -5,7 +5,8 @@
 1. Across runs (a population of models), as defined by Heineman et al., "Signal and Noise: A Framework for Reducing
    Uncertainty in Language Model Evaluation" (AI2, 2025, arXiv 2508.13144; code: allenai/signal-and-noise,
    snr/metrics.py and snr/snr_simple.py). Used by `nano_eval compare` (compare.py). For one task x metric and runs
-   j = 1..M, m_j = the mean of run j's last n checkpoints (n = --last-n, default 5, the paper's small-scale n):
+   j = 1..M (the --small runs when given, as the paper's SNR is taken at one scale; else every run compared),
+   m_j = the mean of run j's last n checkpoints (n = --last-n, default 5, the paper's small-scale n):
 
        signal   = max_{j,k} |m_j - m_k| / |mean_j m_j|       relative dispersion of the runs' scores
        noise_j  = std(last n of run j) / |mean(last n of run j)|   relative std of one run's last checkpoints
@@ -111,8 +112,10 @@ def population_stats(task: str, metric: str, curves: dict[str, Curve], last_n: i
                      small: list[str] | None = None, target: list[str] | None = None) -> PopulationStats:
     """Signal, noise, SNR (and decision accuracy when `small` / `target` name runs, paired by position) of one
     task x metric across runs: `curves` maps a run's name to its curve (step order; runs without the metric may be
-    left out). The formulas: the module docstring."""
-    tails = {run: [v for _, _, v, _ in c[-last_n:]] for run, c in curves.items() if c}
+    left out). Signal and noise are over the `small` runs when given (the paper's small-scale SNR: one scale, the
+    one whose decisions are judged), else over all runs. The formulas: the module docstring."""
+    population = {run: c for run, c in curves.items() if c and (not small or run in small)}
+    tails = {run: [v for _, _, v, _ in c[-last_n:]] for run, c in population.items()}
     signal = relative_dispersion([sum(t) / len(t) for t in tails.values()])
     noises = [n for t in tails.values() if (n := relative_std(t)) is not None]
     noise = sum(noises) / len(noises) if noises else None
