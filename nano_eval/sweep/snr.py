@@ -211,8 +211,10 @@ def curve_stats(task: str, metric: str, points: Curve, last_k: int = LAST_K) -> 
     stderr = sum(errs) / len(errs) if errs else None
     noise = jitter if jitter is not None else stderr
     ratio = trend / noise if trend is not None and noise else None
-    slope_se = noise / math.sqrt(sum((x - sum(xs) / len(xs)) ** 2 for x in xs)) if slope is not None and noise \
-        is not None else None
+    slope_se = None  # the slope's standard error, from the noise
+    if slope is not None and noise is not None:
+        mx = sum(xs) / len(xs)
+        slope_se = noise / math.sqrt(sum((x - mx) ** 2 for x in xs))
     tau = kendall_tau([float(s) for s, _, _, _ in pts], [v for _, _, v, _ in pts])
     return CurveStats(task, metric, direction(metric, slope, slope_se), len(pts), x_name, pts[0][2], pts[-1][2],
                       pts[-1][2] - pts[0][2], slope, trend, jitter, stderr, noise, ratio, tau)
