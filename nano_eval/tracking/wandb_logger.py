@@ -126,7 +126,7 @@ class WandbLogger:
                        "eval results still go to the local files")
 
     def log_table(self, key: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
-        """One W&B Table under `key` (a sweep's signal-to-noise ranking). Never raises."""
+        """One W&B Table under `key` (a sweep's trend / noise ranking, sweep_signal.csv). Never raises."""
         if self._disabled or self.run is None:
             return
         try:
