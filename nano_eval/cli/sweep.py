@@ -17,6 +17,7 @@ from nano_eval.cli.runtime import init_distributed, is_rank_zero, run_command
 from nano_eval.errors import TasksFailedError
 from nano_eval.sweep.launch import JOBS_DIR, LAUNCHERS, LaunchedSweep, LaunchOptions
 from nano_eval.sweep.runner import SweepOptions, SweepRunner
+from nano_eval.tracking.files import check_output_paths
 
 COMMAND = "nano_eval sweep"
 
@@ -95,12 +96,23 @@ def launch_options(args: argparse.Namespace) -> LaunchOptions:
                          dist_timeout_s=args.dist_timeout)
 
 
+def check_sweep_output(args: argparse.Namespace) -> None:
+    """Refuse an output folder the sweep could not write in, before any checkpoint loads (exit 2)."""
+    from nano_eval.sweep.lock import SETTINGS_NAME
+    from nano_eval.sweep.report import REPORT_DIR
+    from nano_eval.sweep.table import CSV_NAME, SIGNAL_CSV_NAME
+
+    folders = ([] if args.no_report else [REPORT_DIR]) + ([JOBS_DIR] if args.launcher else [])
+    check_output_paths(args.output_dir, folders=folders, files=[CSV_NAME, SIGNAL_CSV_NAME, SETTINGS_NAME])
+
+
 def main(argv: list[str]) -> int:
     """Exit codes: 0 every checkpoint done; 1 some checkpoints failed (recorded, the others done); 2 bad input;
     128 + signal when SIGTERM / SIGINT stopped it after the checkpoint in progress (143 / 130)."""
     args = parse(argv)
 
     def body() -> int:
+        check_sweep_output(args)
         init_distributed(args.device, args.dist_timeout)
         start = time.perf_counter()
         job, options = eval_job(args, args.tasks), sweep_options(args)

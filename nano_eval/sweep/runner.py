@@ -111,8 +111,8 @@ def evaluate_item(job: EvalJob, tasks: list, run_dir: Path, item: WorkItem) -> N
     sweep = {"run_dir": str(Path(run_dir).resolve()), "checkpoint_name": item.ckpt.name, "kind": item.ckpt.kind,
              "fingerprint": item.fingerprint, "evaluation_identity": item.identity}
     evaluate_checkpoint(job, tasks, str(item.ckpt.path), Path(job.output_dir) / item.ckpt.name,
-                        step=item.ckpt.step, consumed_tokens=item.consumed_tokens, extra={"sweep": sweep},
-                        replace_details=True)  # no stale details from an older evaluation
+                        step=item.ckpt.step, consumed_tokens=item.consumed_tokens, extra={"sweep": sweep})
+    # write_results replaces the folder's evaluation: no stale details from an older one stay
 
 
 class SweepRunner:
