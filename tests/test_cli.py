@@ -104,6 +104,19 @@ def test_broken_pipe_exits_quietly(tmp_path):
     assert b"Traceback" not in err and b"BrokenPipe" not in err and b"Exception ignored" not in err, err.decode()
 
 
+def test_a_closed_pipe_never_stops_a_run(tmp_path, toy_checkpoint):
+    """`nano_eval ... 2>&1 | head -1`: progress bars and the results table meet a closed pipe; the run goes on,
+    writes its results and exits 0."""
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "nano_eval", "--checkpoint", str(toy_checkpoint), "--tasks", TASKS,
+                             "--max-samples", "20", "--batch-tokens", "64", "--output-dir", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=ENV)
+    assert proc.stdout.readline()
+    proc.stdout.close()  # the reader is gone, as after `| head -1`
+    assert proc.wait(timeout=300) == 0
+    assert set(json.loads((out / "results.json").read_text())["results"]) == set(TASKS.split(","))
+
+
 # ---- entry points --------------------------------------------------------------------------------------------------
 
 def test_every_entry_point_gives_the_same_results(tmp_path, toy_checkpoint):
