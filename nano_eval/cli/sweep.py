@@ -106,6 +106,22 @@ def check_sweep_output(args: argparse.Namespace) -> None:
     check_output_paths(args.output_dir, folders=folders, files=[CSV_NAME, SIGNAL_CSV_NAME, SETTINGS_NAME])
 
 
+def print_results(args: argparse.Namespace, summary, seconds: float) -> None:
+    """Rank 0, at the end: the results table (one line per checkpoint), the counts, and where the table, the report
+    and the job logs are."""
+    from nano_eval.sweep.report import HTML_NAME, REPORT_DIR
+    from nano_eval.sweep.table import CSV_NAME, read_table, text_table
+
+    table = os.path.join(args.output_dir, CSV_NAME)
+    if os.path.isfile(table):
+        print("\n" + text_table(read_table(args.output_dir)))
+    report = os.path.join(args.output_dir, REPORT_DIR, HTML_NAME)
+    print(f"\nsweep of {args.run_dir}: {len(summary.evaluated)} evaluated, {len(summary.reused)} reused, "
+          f"{len(summary.incomplete)} skipped as unfinished, {len(summary.failed)} failed, in {seconds:.1f}s\n"
+          f"table: {table}" + (f"\nreport: {report}" if not args.no_report and os.path.isfile(report) else "")
+          + (f"\njob logs: {os.path.join(args.output_dir, JOBS_DIR)}" if args.launcher else ""))
+
+
 def main(argv: list[str]) -> int:
     """Exit codes: 0 every checkpoint done; 1 some checkpoints failed (recorded, the others done); 2 bad input;
     128 + signal when SIGTERM / SIGINT stopped it after the checkpoint in progress (143 / 130)."""
@@ -122,10 +138,7 @@ def main(argv: list[str]) -> int:
             summary = SweepRunner(job, options).run()
         table = os.path.join(args.output_dir, "sweep_results.csv")
         if is_rank_zero():
-            print(f"\nsweep of {args.run_dir}: {len(summary.evaluated)} evaluated, {len(summary.reused)} reused, "
-                  f"{len(summary.incomplete)} skipped as unfinished, {len(summary.failed)} failed, in "
-                  f"{time.perf_counter() - start:.1f}s; table: {table}"
-                  + (f"; job logs: {os.path.join(args.output_dir, JOBS_DIR)}" if args.launcher else ""))
+            print_results(args, summary, time.perf_counter() - start)
         if summary.signal is not None:
             return 128 + int(summary.signal)
         if summary.failed:
