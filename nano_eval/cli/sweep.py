@@ -44,6 +44,9 @@ def build_parser() -> Parser:
     g.add_argument("--settle-s", type=non_negative_float, default=5.0,
                    help="a checkpoint without a trainer marker must look unchanged this long before it is read")
     g.add_argument("--no-report", action="store_true", help="skip the PNG/HTML learning-curve report")
+    g.add_argument("--wait", action="store_true",
+                   help="if another sweep is writing into --output-dir, wait until it ends (printing a line every "
+                        "minute) instead of stopping with exit 2")
     g = p.add_argument_group("fan out as jobs (submitit; without --launcher the sweep runs in this process)")
     g.add_argument("--launcher", choices=LAUNCHERS, default=None,
                    help="submit one job per group of checkpoints: slurm (sbatch job arrays) or local (processes on "
@@ -85,7 +88,7 @@ def sweep_options(args: argparse.Namespace) -> SweepOptions:
         watch=args.watch, poll_s=args.poll_s, settle_s=args.settle_s, until_step=args.until_step,
         tokens_per_step=args.tokens_per_step, report=not args.no_report, wandb_project=args.wandb_project,
         wandb_entity=args.wandb_entity, wandb_run_id=args.wandb_run_id, wandb_run_name=args.wandb_run_name,
-        wandb_mode=args.wandb_mode,
+        wandb_mode=args.wandb_mode, wait=args.wait,
     )
 
 
