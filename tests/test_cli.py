@@ -104,6 +104,19 @@ def test_broken_pipe_exits_quietly(tmp_path):
     assert b"Traceback" not in err and b"BrokenPipe" not in err and b"Exception ignored" not in err, err.decode()
 
 
+def test_a_closed_pipe_never_stops_a_run(tmp_path, toy_checkpoint):
+    """`nano_eval ... 2>&1 | head -1`: progress bars and the results table meet a closed pipe; the run goes on,
+    writes its results and exits 0."""
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "nano_eval", "--checkpoint", str(toy_checkpoint), "--tasks", TASKS,
+                             "--max-samples", "20", "--batch-tokens", "64", "--output-dir", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=ENV)
+    assert proc.stdout.readline()
+    proc.stdout.close()  # the reader is gone, as after `| head -1`
+    assert proc.wait(timeout=300) == 0
+    assert set(json.loads((out / "results.json").read_text())["results"]) == set(TASKS.split(","))
+
+
 # ---- entry points --------------------------------------------------------------------------------------------------
 
 def test_every_entry_point_gives_the_same_results(tmp_path, toy_checkpoint):
@@ -229,3 +242,44 @@ def test_a_task_name_never_writes_outside_the_output_dir(tmp_path, toy_checkpoin
     assert sorted(p.name for p in (out / "details").iterdir()) == ["c_.._.._escaped_0.jsonl",
                                                                    "c__tmp_nano_eval_absolute_0.jsonl"]
     assert not Path("/tmp/nano_eval_absolute_0.jsonl").exists()
+
+
+# ---- output folders ------------------------------------------------------------------------------------------------
+
+def _blocked_outputs(tmp_path: Path) -> dict[str, tuple[Path, str]]:
+    """{case: (--output-dir, what the error line says)}, each blocked by a file or a folder in the way."""
+    (tmp_path / "a_file").write_text("")
+    (tmp_path / "results_dir" / "results.json").mkdir(parents=True)
+    (tmp_path / "details_file").mkdir()
+    (tmp_path / "details_file" / "details").write_text("")
+    return {"is a file": (tmp_path / "a_file", "is a file, not a folder"),
+            "inside a file": (tmp_path / "a_file" / "sub" / "out", "a_file is a file, not a folder"),
+            "results.json is a folder": (tmp_path / "results_dir", "results.json is a folder"),
+            "details is a file": (tmp_path / "details_file", "details is a file, not a folder")}
+
+
+@pytest.mark.parametrize("command", ["eval", "sweep"])
+def test_an_output_dir_that_cannot_be_written_is_refused_before_any_model_loads(capsys, tmp_path, command):
+    """The checkpoint does not even exist: the output folder is checked first, so nothing is scored in vain."""
+    for case, (out, expected) in _blocked_outputs(tmp_path).items():
+        if command == "sweep" and case in ("details is a file", "results.json is a folder"):
+            continue  # a sweep's results and details live in per-checkpoint folders
+        argv = (["--checkpoint", str(tmp_path / "missing")] if command == "eval" else ["sweep", str(tmp_path)])
+        assert main([*argv, "--tasks", "demo|arithmetic|0", "--output-dir", str(out)]) == 2, case
+        err = _error_lines(capsys.readouterr().err)
+        assert len(err) == 1 and err[0].startswith("nano_eval: error:") and expected in err[0], (case, err)
+        assert "Fix:" in err[0] and "--output-dir" in err[0], err
+
+
+def test_a_new_run_replaces_the_details_of_the_last_one(tmp_path, toy_checkpoint):
+    """The default output folder is reused run after run: results.json and details/ always belong to one run."""
+    out = tmp_path / "out"
+    (out / "details").mkdir(parents=True)
+    (out / "details" / "notes.txt").write_text("mine")  # not nano_eval's: left alone
+    common = ["--checkpoint", str(toy_checkpoint), "--max-samples", "2", "--output-dir", str(out)]
+    assert main([*common, "--tasks", "demo|arithmetic|0,demo|arithmetic_ppl|0"]) == 0
+    assert main([*common, "--tasks", "demo|arithmetic|3"]) == 0
+    assert set(json.loads((out / "results.json").read_text())["results"]) == {"demo|arithmetic|3"}
+    assert sorted(p.name for p in (out / "details").iterdir()) == ["demo_arithmetic_3.jsonl", "notes.txt"]
+    assert main([*common, "--tasks", "demo|arithmetic|0", "--no-details"]) == 0
+    assert sorted(p.name for p in (out / "details").iterdir()) == ["notes.txt"]

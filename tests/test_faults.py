@@ -11,6 +11,7 @@ import os
 import shutil
 import signal
 import subprocess
+import threading
 import sys
 import time
 from pathlib import Path
@@ -245,15 +246,23 @@ def test_second_sweep_into_a_busy_folder_stops_and_sigterm_exits_143(broken_run,
         _wait_for(lambda: (out / "sweep_results.csv").exists(), 120, proc, log)
         assert run_main(_sweep(run, out)) == 2  # the same sweep again, while the first one runs
         [line] = _error_lines(capsys.readouterr().err)
-        assert f"is in use by another sweep (pid {proc.pid} on" in line and "Fix:" in line
+        assert f"is in use by another sweep (pid {proc.pid} on" in line and "Fix:" in line and "--wait" in line
+        # --wait: the same sweep waits (saying so), and runs once the first one has ended
+        codes = []
+        waiter = threading.Thread(target=lambda: codes.append(run_main(_sweep(run, out, "--wait"))))
+        waiter.start()
+        time.sleep(3)
+        assert not codes and waiter.is_alive()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 128 + signal.SIGTERM, log.read_text()[-3000:]
+        waiter.join(timeout=120)
+        assert codes == [0]  # the lock went with the process
     finally:
         proc.kill()
         proc.wait()
     assert "SIGTERM received" in log.read_text()
-    assert run_main(_sweep(run, out)) == 0  # the lock went with the process
-    assert "1 reused" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert f"waiting for the sweep that holds {out} (pid {proc.pid} on" in printed and "1 reused" in printed
 
 
 def _child_with_rank(parent: int, rank: int) -> int:

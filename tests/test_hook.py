@@ -114,6 +114,20 @@ def test_results_files(toy_backend, tmp_path):
     assert set(hook.flat_metrics(results)) >= {"eval/demo|arithmetic|0/acc", "eval/demo|arithmetic_gen|3/exact_match"}
 
 
+def test_a_rerun_replaces_the_log_rows_of_the_run_it_replaces(toy_backend, tmp_path):
+    """Rerunning a training script (fresh, or resumed at step S) never duplicates eval_results.jsonl rows."""
+    def run(steps):
+        hook = EvalHook(EvalHookConfig(tasks="demo|arithmetic|0", max_samples=1, output_dir=tmp_path), toy_backend)
+        for step in steps:
+            hook(step)
+        hook.close()
+        return [r["step"] for r in read_jsonl(tmp_path / "eval_results.jsonl")]
+
+    assert run([2, 4, 6]) == [2, 4, 6]
+    assert run([2, 4, 6]) == [2, 4, 6]  # a fresh run starts a fresh log
+    assert run([4, 8]) == [2, 4, 8]  # resumed at step 4: the old run's rows from step 4 on are replaced
+
+
 def test_jsonl_reader_skips_only_a_torn_last_line(tmp_path):
     path = tmp_path / "log.jsonl"
     append_jsonl(path, {"step": 1, "x": float("nan")})

@@ -14,7 +14,7 @@ import shutil
 
 import pytest
 
-pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'nano_eval[megatron]')")
+pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e '.[megatron]')")
 
 import torch  # noqa: E402
 

@@ -11,7 +11,7 @@ installed, local-spec names otherwise) and, unsliced, loaded into transformers' 
 import pytest
 import torch
 
-pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'nano_eval[megatron]')")
+pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e '.[megatron]')")
 
 from tests.dist_utils import run_nccl  # noqa: E402
 

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'nano_eval[megatron]')")
+pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e '.[megatron]')")
 
 import torch  # noqa: E402
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'nano_eval[megatron]')")
+pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e '.[megatron]')")
 
 from tests.megatron_moe_worker import DEFAULT, LAYOUTS  # noqa: E402
 from tests.test_megatron import assert_same_scores  # noqa: E402

@@ -214,7 +214,14 @@ def test_rerun_reuses_every_finished_checkpoint(swept, capsys):
     before = {p: p.stat().st_mtime_ns for p in out.glob("checkpoint-*/results.json")}
     table = (out / "sweep_results.csv").read_text()
     assert run_main(_sweep_args(run, out)) == 0
-    assert "6 reused" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "6 reused" in printed
+    # the end: the results table (a line per checkpoint, a column per task and metric), then where the files are
+    header = next(line for line in printed.splitlines() if line.startswith("step  checkpoint"))
+    assert all(f"{task} " in header for task in TASKS.split(","))
+    assert [line.split()[:2] for line in printed.splitlines() if line.split()[:1] in ([str(s)] for s in STEPS)] == [
+        [str(s), f"checkpoint-{s}"] for s in STEPS]
+    assert f"table: {out / 'sweep_results.csv'}" in printed and f"report: {out / 'report' / 'index.html'}" in printed
     assert {p: p.stat().st_mtime_ns for p in out.glob("checkpoint-*/results.json")} == before
     assert (out / "sweep_results.csv").read_text() == table
 

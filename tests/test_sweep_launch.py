@@ -287,3 +287,22 @@ def test_launcher_options_are_checked_before_anything_runs(tmp_path, capsys):
                      "--launcher", "local", "--nodes", "2"]) == 2
     assert "--launcher local runs its jobs on this machine: --nodes 2" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def _reuse_seen_by(rank, world, folders):
+    """Each rank of a job asks whether its own copy of the results is done: rank 0's answer must win."""
+    from nano_eval.sweep.worker import _already_done
+
+    return _already_done(Path(folders[rank]) / "results.json", "identity-1")
+
+
+def test_a_jobs_ranks_take_rank_0s_reuse_decision(tmp_path):
+    """Rank 0 reads the file system and broadcasts; a rank that sees another file (a lagging shared file system)
+    does not decide alone (it would skip a checkpoint the others evaluate, and they would wait on it)."""
+    from tests.dist_utils import run_distributed
+
+    done, missing = tmp_path / "done", tmp_path / "missing"
+    done.mkdir()
+    (done / "results.json").write_text(json.dumps({"sweep": {"evaluation_identity": "identity-1"}}))
+    assert run_distributed(_reuse_seen_by, 2, [str(done), str(missing)]) == [True, True]
+    assert run_distributed(_reuse_seen_by, 2, [str(missing), str(done)]) == [False, False]

@@ -230,7 +230,7 @@ def missing_requirements() -> list[str]:
 
     missing = []
     if importlib.util.find_spec("nanotron") is None:
-        missing.append("nanotron (pip install 'nano_eval[nanotron]')")
+        missing.append("nanotron (pip install -e '.[nanotron]' in the nano_eval checkout)")
     if importlib.util.find_spec("flash_attn") is None or importlib.util.find_spec("flash_attn_2_cuda") is None:
         missing.append("flash-attn with its CUDA kernels (pip install flash-attn on a CUDA machine; nanotron's Llama "
                        "imports them)")

@@ -3,7 +3,8 @@
     torchrun --nproc_per_node=N nano_eval/run.py --checkpoint DIR --tasks SPECS --output-dir OUT
 
 Every rank evaluates (data parallel); global rank 0 writes results.json (+ details/) at the end, atomically: a
-failed run leaves no partial results. `--checkpoint RUN_DIR` on a folder of checkpoints runs `nano_eval sweep`.
+failed run leaves no partial results, and a run into a folder that already holds results replaces them (details
+included). An output folder that cannot be written is refused before any model loads (exit 2). `--checkpoint RUN_DIR` on a folder of checkpoints runs `nano_eval sweep`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch.distributed as dist
 
 from nano_eval.cli.options import Parser, add_model_options, add_run_options, add_task_options, eval_job
 from nano_eval.cli.runtime import init_distributed, is_rank_zero, run_command
+from nano_eval.tracking.files import check_output_paths
 
 COMMAND = "nano_eval eval"
 DEMO_TASKS = "demo|arithmetic|0,demo|arithmetic|3,demo|arithmetic_gen|3,demo|arithmetic_ppl|0"
@@ -55,6 +57,8 @@ def main(argv: list[str]) -> int:
 
             Registry(custom_tasks=args.custom_tasks).print_tasks()
             return
+        folders = (["details"] if not args.no_details else []) + (["toy_checkpoint"] if args.demo else [])
+        check_output_paths(args.output_dir, folders=folders, files=["results.json"])  # before any model loads
         init_distributed(args.device, args.dist_timeout)
         checkpoint = build_demo_checkpoint(args.output_dir) if args.demo and not args.checkpoint else args.checkpoint
         job = eval_job(args, (args.tasks or DEMO_TASKS) if args.demo else args.tasks)

@@ -1,4 +1,5 @@
-"""What every command needs around its body: the torchrun process group, exit codes, and a stdout that may close.
+"""What every command needs around its body: the torchrun process group, exit codes, and output streams that may
+close (`| head`: the run goes on without them).
 
 Exit codes: 0 done; 2 bad input (one `nano_eval: error: ...` line naming the thing and the fix); 1 anything else
 (traceback, then one error line). Under torchrun a failing rank exits at once, so torchrun stops the others instead
@@ -114,8 +115,10 @@ def run_command(body: Callable[[], int | None], what: str) -> int:
 
 
 class _PipeSafe:
-    """A text stream whose writes never raise BrokenPipeError: once the reader is gone (`nano_eval ... | head`),
-    the file descriptor is pointed at /dev/null and the command goes on (its files are still written)."""
+    """A text stream whose writes never raise OSError: once the reader is gone (`nano_eval ... 2>&1 | head -1`:
+    BrokenPipeError) or the stream fails otherwise (EIO from a closed terminal), the file descriptor is pointed at
+    /dev/null and the command goes on without that output (its files are still written). Progress bars (tqdm writes
+    to sys.stderr) stop showing; nothing else changes."""
 
     def __init__(self, stream):
         self._stream = stream
@@ -123,14 +126,14 @@ class _PipeSafe:
     def write(self, text: str) -> int:
         try:
             return self._stream.write(text)
-        except BrokenPipeError:
+        except OSError:
             self._to_devnull()
             return len(text)
 
     def flush(self) -> None:
         try:
             self._stream.flush()
-        except BrokenPipeError:
+        except OSError:
             self._to_devnull()
 
     def _to_devnull(self) -> None:
@@ -144,18 +147,29 @@ class _PipeSafe:
 
 @contextlib.contextmanager
 def quiet_broken_pipe() -> Iterator[None]:
-    """Inside: sys.stdout survives a closed pipe (see _PipeSafe); streams without a file descriptor are left as
-    they are (pytest's capture, io.StringIO)."""
-    stream = sys.stdout
+    """Inside: sys.stdout and sys.stderr survive a closed pipe (see _PipeSafe), so neither the results table nor a
+    progress bar can kill a run; streams without a file descriptor are left as they are (pytest's capture,
+    io.StringIO)."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_pipe_safe("stdout"))
+        stack.enter_context(_pipe_safe("stderr"))
+        yield
+
+
+@contextlib.contextmanager
+def _pipe_safe(name: str) -> Iterator[None]:
+    """sys.<name> is a _PipeSafe inside (if it has a file descriptor); what it still buffers is flushed on exit."""
+    stream = getattr(sys, name)
     try:
         stream.fileno()
     except (AttributeError, OSError, ValueError):
         yield
         return
-    sys.stdout = safe = _PipeSafe(stream)
+    safe = _PipeSafe(stream)
+    setattr(sys, name, safe)
     try:
         yield
     finally:
         safe.flush()  # what is still buffered meets a closed pipe here, not at interpreter exit
-        if sys.stdout is safe:
-            sys.stdout = stream
+        if getattr(sys, name) is safe:
+            setattr(sys, name, stream)

@@ -17,6 +17,7 @@ from nano_eval.cli.runtime import init_distributed, is_rank_zero, run_command
 from nano_eval.errors import TasksFailedError
 from nano_eval.sweep.launch import JOBS_DIR, LAUNCHERS, LaunchedSweep, LaunchOptions
 from nano_eval.sweep.runner import SweepOptions, SweepRunner
+from nano_eval.tracking.files import check_output_paths
 
 COMMAND = "nano_eval sweep"
 
@@ -43,6 +44,9 @@ def build_parser() -> Parser:
     g.add_argument("--settle-s", type=non_negative_float, default=5.0,
                    help="a checkpoint without a trainer marker must look unchanged this long before it is read")
     g.add_argument("--no-report", action="store_true", help="skip the PNG/HTML learning-curve report")
+    g.add_argument("--wait", action="store_true",
+                   help="if another sweep is writing into --output-dir, wait until it ends (printing a line every "
+                        "minute) instead of stopping with exit 2")
     g = p.add_argument_group("fan out as jobs (submitit; without --launcher the sweep runs in this process)")
     g.add_argument("--launcher", choices=LAUNCHERS, default=None,
                    help="submit one job per group of checkpoints: slurm (sbatch job arrays) or local (processes on "
@@ -84,7 +88,7 @@ def sweep_options(args: argparse.Namespace) -> SweepOptions:
         watch=args.watch, poll_s=args.poll_s, settle_s=args.settle_s, until_step=args.until_step,
         tokens_per_step=args.tokens_per_step, report=not args.no_report, wandb_project=args.wandb_project,
         wandb_entity=args.wandb_entity, wandb_run_id=args.wandb_run_id, wandb_run_name=args.wandb_run_name,
-        wandb_mode=args.wandb_mode,
+        wandb_mode=args.wandb_mode, wait=args.wait,
     )
 
 
@@ -95,12 +99,39 @@ def launch_options(args: argparse.Namespace) -> LaunchOptions:
                          dist_timeout_s=args.dist_timeout)
 
 
+def check_sweep_output(args: argparse.Namespace) -> None:
+    """Refuse an output folder the sweep could not write in, before any checkpoint loads (exit 2)."""
+    from nano_eval.sweep.lock import SETTINGS_NAME
+    from nano_eval.sweep.report import REPORT_DIR
+    from nano_eval.sweep.table import CSV_NAME, SIGNAL_CSV_NAME
+
+    folders = ([] if args.no_report else [REPORT_DIR]) + ([JOBS_DIR] if args.launcher else [])
+    check_output_paths(args.output_dir, folders=folders, files=[CSV_NAME, SIGNAL_CSV_NAME, SETTINGS_NAME])
+
+
+def print_results(args: argparse.Namespace, summary, seconds: float) -> None:
+    """Rank 0, at the end: the results table (one line per checkpoint), the counts, and where the table, the report
+    and the job logs are."""
+    from nano_eval.sweep.report import HTML_NAME, REPORT_DIR
+    from nano_eval.sweep.table import CSV_NAME, read_table, text_table
+
+    table = os.path.join(args.output_dir, CSV_NAME)
+    if os.path.isfile(table):
+        print("\n" + text_table(read_table(args.output_dir)))
+    report = os.path.join(args.output_dir, REPORT_DIR, HTML_NAME)
+    print(f"\nsweep of {args.run_dir}: {len(summary.evaluated)} evaluated, {len(summary.reused)} reused, "
+          f"{len(summary.incomplete)} skipped as unfinished, {len(summary.failed)} failed, in {seconds:.1f}s\n"
+          f"table: {table}" + (f"\nreport: {report}" if not args.no_report and os.path.isfile(report) else "")
+          + (f"\njob logs: {os.path.join(args.output_dir, JOBS_DIR)}" if args.launcher else ""))
+
+
 def main(argv: list[str]) -> int:
     """Exit codes: 0 every checkpoint done; 1 some checkpoints failed (recorded, the others done); 2 bad input;
     128 + signal when SIGTERM / SIGINT stopped it after the checkpoint in progress (143 / 130)."""
     args = parse(argv)
 
     def body() -> int:
+        check_sweep_output(args)
         init_distributed(args.device, args.dist_timeout)
         start = time.perf_counter()
         job, options = eval_job(args, args.tasks), sweep_options(args)
@@ -110,10 +141,7 @@ def main(argv: list[str]) -> int:
             summary = SweepRunner(job, options).run()
         table = os.path.join(args.output_dir, "sweep_results.csv")
         if is_rank_zero():
-            print(f"\nsweep of {args.run_dir}: {len(summary.evaluated)} evaluated, {len(summary.reused)} reused, "
-                  f"{len(summary.incomplete)} skipped as unfinished, {len(summary.failed)} failed, in "
-                  f"{time.perf_counter() - start:.1f}s; table: {table}"
-                  + (f"; job logs: {os.path.join(args.output_dir, JOBS_DIR)}" if args.launcher else ""))
+            print_results(args, summary, time.perf_counter() - start)
         if summary.signal is not None:
             return 128 + int(summary.signal)
         if summary.failed:

@@ -29,7 +29,8 @@ def import_megatron_core():
         from megatron.core import parallel_state
     except ImportError as e:
         raise NanoEvalError(
-            "megatron-core is not installed. Fix: pip install 'nano_eval[megatron]' (megatron-core>=0.16)."
+            "megatron-core is not installed. Fix: pip install -e '.[megatron]' in the nano_eval checkout "
+            "(megatron-core>=0.16)."
         ) from e
     return parallel_state
 

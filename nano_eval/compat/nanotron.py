@@ -33,7 +33,8 @@ def import_nanotron():
     try:
         import nanotron
     except ImportError as e:
-        raise NanoEvalError("nanotron is not installed. Fix: pip install 'nano_eval[nanotron]' (nanotron==0.4).") from e
+        raise NanoEvalError("nanotron is not installed. Fix: pip install -e '.[nanotron]' in the nano_eval checkout "
+                            "(nanotron==0.4).") from e
     if _READY or "nanotron.logging" in sys.modules:
         _READY = True
         return nanotron

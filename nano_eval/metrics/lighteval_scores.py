@@ -9,7 +9,8 @@
 | `MultilingualExtractiveMatchMetric` (math answers) | math-verify's `parse` / `verify` |
 | `TruthfulqaMCMetrics`, `MRR`, `Recall`, `StringDistance`, perplexities | a few lines each (below) |
 
-The libraries are imported when a metric is first computed: `pip install "nano_eval[lighteval]"` brings them.
+The libraries are imported when a metric is first computed: `pip install -e ".[lighteval]"` (in the
+nano_eval checkout) brings them.
 Sample functions return plain values or named tuples (JSON in the details files); corpus functions take the list of
 them. Written for nano_eval after lighteval's documented behaviour; no lighteval code is used.
 """
@@ -30,7 +31,7 @@ from nano_eval.response import ModelResponse
 from nano_eval.tasks.languages import Language
 from nano_eval.tasks.requests import Doc
 
-EXTRA = 'pip install "nano_eval[lighteval]" torch==2.13.0'
+EXTRA = 'pip install -e ".[lighteval]" torch==2.13.0 (in the nano_eval checkout)'
 
 
 def require(module: str, package: str):

@@ -80,8 +80,8 @@ def make_executor(o: LaunchOptions, folder: Path):
     try:
         import submitit
     except ImportError as e:
-        raise NanoEvalError(f"--launcher needs submitit ({e}). Fix: pip install 'nano_eval[cluster]' "
-                            "(or pip install submitit).") from e
+        raise NanoEvalError(f"--launcher needs submitit ({e}). Fix: pip install -e '.[cluster]' in the "
+                            "nano_eval checkout (or pip install submitit).") from e
     if o.launcher == "slurm":
         try:
             executor = submitit.SlurmExecutor(folder=folder)

@@ -3,7 +3,7 @@
 `OutputLock` holds `<out>/.nano_eval_sweep.lock` (an OS file lock via `filelock`: released by the kernel when the
 process dies, even by SIGKILL, so a crashed sweep never blocks the next one) for the whole sweep; a second sweep
 into the same folder stops at once with a message naming the holder (`<out>/.nano_eval_sweep.owner`: pid, host,
-start time). `check_settings` keeps `<out>/sweep_settings.json`, the settings part of the evaluation identity
+start time), raising `OutputBusy` (the sweep's `--wait` catches it and tries again until the holder is done). `check_settings` keeps `<out>/sweep_settings.json`, the settings part of the evaluation identity
 (tasks, task versions, max_samples, seed, ...): a sweep with other settings into the same folder is refused with the
 differences named, instead of silently overwriting the results of the first.
 """
@@ -21,6 +21,14 @@ from nano_eval.sweep.identity import settings_differences
 from nano_eval.tracking.files import atomic_write_text, write_json
 
 LOCK_NAME, OWNER_NAME, SETTINGS_NAME = ".nano_eval_sweep.lock", ".nano_eval_sweep.owner", "sweep_settings.json"
+
+
+class OutputBusy(NanoEvalError):
+    """Another live sweep holds the output folder; `owner` says who (pid, host, start time)."""
+
+    def __init__(self, message: str, owner: str):
+        super().__init__(message)
+        self.owner = owner
 
 
 class OutputLock:
@@ -43,9 +51,9 @@ class OutputLock:
                 owner = (self.out / OWNER_NAME).read_text().strip()
             except OSError:
                 owner = "unknown"
-            raise NanoEvalError(f"output folder {self.out} is in use by another sweep ({owner}; lock file "
-                                f"{self.out / LOCK_NAME}). Fix: wait until that sweep ends, or pass another "
-                                "--output-dir.") from None
+            raise OutputBusy(f"output folder {self.out} is in use by another sweep ({owner}; lock file "
+                             f"{self.out / LOCK_NAME}). Fix: pass --wait to start once that sweep ends, or pass "
+                             "another --output-dir.", owner) from None
         started = datetime.now(timezone.utc).isoformat(timespec="seconds")
         atomic_write_text(self.out / OWNER_NAME, f"pid {os.getpid()} on {socket.gethostname()}, started {started}\n")
         return self

@@ -10,7 +10,8 @@ a killed sweep restarts where it stopped. SIGINT / SIGTERM stop the loop after t
 Faults: a checkpoint that fails to load or score is recorded (`SweepSummary.failed`, the table's `error` column, the
 report, `eval/failed` in W&B) and skipped; the sweep goes on (and `--watch` keeps watching). The table is rewritten
 after every checkpoint. The output folder is locked for the whole sweep and keeps the settings it was swept with
-(lock.py): a second sweep into it stops with a message, and one with other settings is refused.
+(lock.py): a second sweep into it stops with a message (or, with `wait`, polls until the first one ends, printing a
+line on rank 0 every WAIT_REPORT_S), and one with other settings is refused.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ from nano_eval.sweep.identity import evaluation_identity
 from nano_eval.sweep.signals import StopFlag
 from nano_eval.tracking.wandb_logger import WandbLogger, metric_key, one_line
 
+WAIT_POLL_S, WAIT_REPORT_S = 2.0, 60.0  # --wait: how often to try the busy output folder's lock, and to say so
+
 
 @dataclass(frozen=True, kw_only=True)
 class SweepOptions:
@@ -60,6 +63,7 @@ class SweepOptions:
     wandb_run_id: str | None = None  # resume this run (e.g. the training run) instead of opening a new one
     wandb_run_name: str | None = None
     wandb_mode: str | None = None  # "offline" works without network
+    wait: bool = False  # output folder busy with another sweep: wait for it to finish instead of stopping
 
 
 @dataclass
@@ -111,8 +115,8 @@ def evaluate_item(job: EvalJob, tasks: list, run_dir: Path, item: WorkItem) -> N
     sweep = {"run_dir": str(Path(run_dir).resolve()), "checkpoint_name": item.ckpt.name, "kind": item.ckpt.kind,
              "fingerprint": item.fingerprint, "evaluation_identity": item.identity}
     evaluate_checkpoint(job, tasks, str(item.ckpt.path), Path(job.output_dir) / item.ckpt.name,
-                        step=item.ckpt.step, consumed_tokens=item.consumed_tokens, extra={"sweep": sweep},
-                        replace_details=True)  # no stale details from an older evaluation
+                        step=item.ckpt.step, consumed_tokens=item.consumed_tokens, extra={"sweep": sweep})
+    # write_results replaces the folder's evaluation: no stale details from an older one stay
 
 
 class SweepRunner:
@@ -149,8 +153,11 @@ class SweepRunner:
         from nano_eval.sweep.report import write_report
         from nano_eval.sweep.table import write_table
 
-        with StopFlag() as stop, self._claim_output():
+        with StopFlag() as stop, self._claim_output(stop) as claimed:
             try:
+                if not claimed:  # stopped (SIGINT / SIGTERM) while waiting for the output folder
+                    self.summary.signal = stop.signum or signal.SIGTERM
+                    return self.summary
                 self.wandb = self._open_wandb() if self.is_main else None
                 self._loop(stop)
             finally:
@@ -167,27 +174,45 @@ class SweepRunner:
         return self.summary
 
     @contextlib.contextmanager
-    def _claim_output(self):
+    def _claim_output(self, stop: StopFlag):
         """Rank 0 locks the output folder and checks its settings (lock.py); every rank raises the same error if
-        that fails, so no rank is left waiting in a collective."""
+        that fails, so no rank is left waiting in a collective. With `wait`, a folder busy with another sweep is
+        tried again every WAIT_POLL_S (all ranks loop together, each round agreed by a broadcast, so none waits in
+        one collective longer than that). Yields True once claimed, False if a signal stopped the wait."""
         from nano_eval.sweep.identity import identity_settings
-        from nano_eval.sweep.lock import OutputLock, check_settings
+        from nano_eval.sweep.lock import OutputBusy, OutputLock, check_settings
 
+        waited_since = last_said = None
         with contextlib.ExitStack() as stack:
-            error = None
-            if self.is_main:
-                try:
-                    stack.enter_context(OutputLock(self.out))
-                    check_settings(self.out, identity_settings(self.job, self.task_keys, self.versions))
-                except NanoEvalError as e:
-                    error = str(e)
-            if self.world > 1:
-                box = [error]
-                dist.broadcast_object_list(box, src=0)
-                error = box[0]
+            while True:
+                error, owner = None, None
+                if self.is_main:
+                    try:
+                        stack.enter_context(OutputLock(self.out))
+                        check_settings(self.out, identity_settings(self.job, self.task_keys, self.versions))
+                    except OutputBusy as e:
+                        error, owner = str(e), (e.owner if self.options.wait else None)
+                    except NanoEvalError as e:
+                        error = str(e)
+                if self.world > 1:
+                    box = [(error, owner)]
+                    dist.broadcast_object_list(box, src=0)
+                    error, owner = box[0]
+                if owner is None:
+                    break
+                now = time.monotonic()
+                waited_since = waited_since or now
+                if self.is_main and (last_said is None or now - last_said >= WAIT_REPORT_S):
+                    last_said = now
+                    print(f"nano_eval: waiting for the sweep that holds {self.out} ({owner}) to finish (--wait; "
+                          f"{now - waited_since:.0f}s so far)", flush=True)
+                stop.sleep(WAIT_POLL_S)
+                if self._any_rank(stop.requested):
+                    yield False
+                    return
             if error is not None:
                 raise NanoEvalError(error)
-            yield
+            yield True
 
     def _loop(self, stop: StopFlag) -> None:
         from nano_eval.sweep.report import write_report

@@ -117,3 +117,23 @@ def read_table(out_dir: str | Path) -> list[dict]:
         r["stderr"] = float(r["stderr"]) if r["stderr"] else None
         r["error"] = r.get("error") or ""
     return rows
+
+
+def text_table(rows: list[dict]) -> str:
+    """The table for the terminal: one line per checkpoint in step order, one column per task and metric (value,
+    4 decimals), and an `error` column when some checkpoint failed."""
+    columns = list(dict.fromkeys((r["task"], r["metric"]) for r in rows if r["task"]))
+    lines: dict[int, dict] = {}
+    for r in rows:
+        line = lines.setdefault(r["step"], {"checkpoint": r["checkpoint"], "error": ""})
+        if r["task"]:
+            line[(r["task"], r["metric"])] = "" if r["value"] is None else f"{r['value']:.4f}"
+        line["error"] = line["error"] or r["error"]
+    with_error = any(line["error"] for line in lines.values())
+    header = ["step", "checkpoint", *(f"{task} {metric}" for task, metric in columns)] + ["error"] * with_error
+    table = [header] + [[str(step), line["checkpoint"], *(line.get(c, "") for c in columns)]
+                        + [line["error"]] * with_error for step, line in sorted(lines.items())]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    text = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table]
+    text.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(text)

@@ -8,7 +8,7 @@ MASTER_ADDR / MASTER_PORT, the ranks join one process group and evaluate each ch
 `--backend nanotron --tp --pp` layout), as under torchrun; rank 0 writes.
 
 A checkpoint whose results file already has the item's evaluation identity is not evaluated again (a retried or
-repeated job redoes nothing). A checkpoint that fails is recorded and the group goes on; the job then raises
+repeated job redoes nothing); rank 0 reads the file and broadcasts the decision, so the job's ranks always agree. A checkpoint that fails is recorded and the group goes on; the job then raises
 (`GroupFailed`), so the launcher sees a failed job, names its log and retries it once.
 
 Limitation (as in the sequential sweep): an error on only some ranks of a job leaves the others waiting in a
@@ -51,7 +51,7 @@ def run_group(job: EvalJob, run_dir: str, items: list[WorkItem], dist_timeout_s:
     status, failed = {}, []
     for item in items:
         name = item.ckpt.name
-        if finished_identity(Path(job.output_dir) / name / "results.json") == item.identity:
+        if _already_done(Path(job.output_dir) / name / "results.json", item.identity):
             status[name] = "reused"
             continue
         start = time.perf_counter()
@@ -72,6 +72,17 @@ def run_group(job: EvalJob, run_dir: str, items: list[WorkItem], dist_timeout_s:
     if failed:
         raise GroupFailed("; ".join(failed))
     return status
+
+
+def _already_done(results_path: Path, identity: str) -> bool:
+    """Rank 0 looks at the file system and every rank of the job gets its answer (as runner.py's plan), so the
+    ranks never disagree on whether a checkpoint is evaluated (one skipping while the others wait in a collective)."""
+    import torch.distributed as dist
+
+    box = [finished_identity(results_path) == identity if _rank() == 0 else None]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    return bool(box[0])
 
 
 def _rank() -> int:

@@ -10,7 +10,6 @@ belongs to a finished evaluation.
 
 from __future__ import annotations
 
-import shutil
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Mapping
@@ -55,18 +54,25 @@ def results_document(results, *, layout: ParallelLayout, config: Mapping[str, An
     return doc
 
 
-def write_results(out_dir: str | Path, document: dict, results, *, details: bool,
-                  replace_details: bool = False) -> Path:
-    """`<out_dir>/details/<task>.jsonl` (per-sample rows, when `details`), then `<out_dir>/results.json`.
+def write_results(out_dir: str | Path, document: dict, results, *, details: bool) -> Path:
+    """Replace the evaluation in `out_dir`: `<out_dir>/details/<task>.jsonl` (per-sample rows, when `details`), then
+    `<out_dir>/results.json`, so results.json and details/ always belong to the same evaluation.
 
-    replace_details: first remove `<out_dir>/details/` (a folder nano_eval owns, e.g. a sweep's per-checkpoint
-    folder), so no details of an older evaluation stay behind. Details file names come from
-    nano_eval.tracking.files.safe_file_name: a task key never names another folder."""
+    The old results.json goes first (a crash while writing leaves no results.json rather than one beside other
+    details), then the new details files are written and every other `details/*.jsonl` is removed (an earlier
+    evaluation's tasks, or all of them with details off), and results.json comes last. Other files in details/ are
+    left alone. Details file names come from nano_eval.tracking.files.safe_file_name: a task key never names
+    another folder."""
     out = Path(out_dir)
-    if replace_details:
-        shutil.rmtree(out / "details", ignore_errors=True)
+    (out / "results.json").unlink(missing_ok=True)
+    written = set()
     if details:
         for key, tr in results.tasks.items():
+            written.add(details_file_name(key))
             write_jsonl(out / "details" / details_file_name(key), tr.details)
+    if (out / "details").is_dir():
+        for stale in (out / "details").glob("*.jsonl"):
+            if stale.name not in written:
+                stale.unlink(missing_ok=True)
     write_json(out / "results.json", document)
     return out / "results.json"

