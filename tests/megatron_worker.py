@@ -2,7 +2,6 @@
 optimizer on gloo, made to run on a CPU-only torch by the test double tests/megatron_cpu.py."""
 
 import warnings
-from argparse import Namespace
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -182,7 +181,6 @@ def fused_prefill(backend) -> dict:
     rank divisible by 8: the shapes for which megatron-core picks a fused softmax kernel) against each prompt
     prefilled alone (no padding): the largest logit difference, and the fused kernels called in the batched prefill.
     Greedy generations of the batch from the cache and by re-running the prompts, too."""
-    import torch
 
     from nano_eval.backends.base import evaluation_mode
     from tests.generation_checks import Rerunning
@@ -234,13 +232,9 @@ def kernel_calls():
 
 def example_save_checkpoint():
     """`save_checkpoint` of examples/megatron_train_with_eval.py (a script, not a package: loaded by path)."""
-    import importlib.util
+    from tests.script_loader import load_script
 
-    path = Path(__file__).resolve().parents[1] / "examples" / "megatron_train_with_eval.py"
-    spec = importlib.util.spec_from_file_location("megatron_train_with_eval", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.save_checkpoint
+    return load_script("examples/megatron_train_with_eval.py", "megatron_train_with_eval").save_checkpoint
 
 
 def all_layouts(rank, world, tokenizer_dir, root, wandb_dir):

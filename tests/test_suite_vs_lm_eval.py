@@ -1,6 +1,5 @@
 """scripts/suite_vs_lm_eval.py's exit codes: 2 with one line when an input is missing, 1 only for "disagrees"."""
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -8,17 +7,15 @@ from pathlib import Path
 
 import pytest
 
+from tests.script_loader import load_script
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "suite_vs_lm_eval.py"
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
 
 
 def _load_script():
-    spec = importlib.util.spec_from_file_location("nano_eval_suite_vs_lm_eval", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the file executes
-    spec.loader.exec_module(module)
-    return module
+    return load_script("scripts/suite_vs_lm_eval.py", "nano_eval_suite_vs_lm_eval")
 
 
 @pytest.mark.parametrize("args, expected", [

@@ -6,8 +6,6 @@ contexts, rolling windows, generation prompts), and simple_evaluate on the demo 
 perplexity (scripts/parity_lm_eval.py) for request strings, log-probs and accuracies.
 """
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,9 +18,9 @@ from nano_eval.errors import NanoEvalError
 from nano_eval.tasks.requests import GreedyUntilRequest
 from nano_eval.tokenization import Tokenization
 from nano_eval.training.config import EvalHookConfig
+from tests.script_loader import load_script
 from tests.special_tokenizers import build_special_checkpoints
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "parity_lm_eval.py"
 MAX_LENGTH = 16  # short, so that the rolling texts below span several windows
 # (context, continuation): plain, trailing space moved to the continuation, empty context, text opening with "<s>"
 PAIRS = [("Question: 3 plus 4\nAnswer:", " 7"), ("The dog runs ", "to the house."), ("", " blue"),
@@ -94,11 +92,7 @@ def test_appended_eos_never_misaligns_continuations(checkpoints):
 
 def _parity_script():
     pytest.importorskip("lm_eval")
-    spec = importlib.util.spec_from_file_location("nano_eval_parity_lm_eval", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("scripts/parity_lm_eval.py", "nano_eval_parity_lm_eval")
 
 
 @pytest.mark.parametrize("add_bos_token", [None, False])
