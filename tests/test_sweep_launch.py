@@ -306,3 +306,79 @@ def test_a_jobs_ranks_take_rank_0s_reuse_decision(tmp_path):
     (done / "results.json").write_text(json.dumps({"sweep": {"evaluation_identity": "identity-1"}}))
     assert run_distributed(_reuse_seen_by, 2, [str(done), str(missing)]) == [True, True]
     assert run_distributed(_reuse_seen_by, 2, [str(missing), str(done)]) == [False, False]
+
+
+# ---- a driver that dies while submitting ---------------------------------------------------------------------------
+
+def test_checkpoints_are_recorded_before_their_jobs_are_submitted(sequential, tmp_path, capsys, monkeypatch):
+    """The driver dies inside the submission (here: submitit's own submit raises): running.json already names the
+    checkpoints it was submitting, and the restarted driver says so, then scores them once."""
+    import shutil
+
+    import submitit.local.local as submitit_local
+
+    run = tmp_path / "run"
+    for name in ("checkpoint-8", "checkpoint-16"):
+        shutil.copytree(sequential[0] / name, run / name)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    out = tmp_path / "out"
+    seen = {}
+
+    def dies(self, *args, **kwargs):
+        seen["running"] = json.loads((out / "jobs" / "running.json").read_text())
+        raise RuntimeError("the driver died here")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(submitit_local.LocalExecutor, "_internal_process_submissions", dies)
+        assert run_main(_args(run, out, "--no-report", "--launcher", "local")) != 0
+    assert set(seen["running"]["submitting"]["checkpoints"]) == {"checkpoint-8", "checkpoint-16"}
+    assert "the driver died here" in capsys.readouterr().err
+    # a failing driver clears its record on the way out; a SIGKILLed one leaves it as it was at that moment
+    (out / "jobs" / "running.json").write_text(json.dumps(seen["running"]))
+    assert run_main(_args(run, out, "--no-report", "--launcher", "local")) == 0
+    printed = capsys.readouterr().out
+    assert "stopped while submitting jobs for checkpoint-8, checkpoint-16" in printed
+    expected = [line for line in (sequential[1] / "sweep_results.csv").read_text().splitlines()
+                if ",8," in line or ",16," in line]
+    assert sorted((out / "sweep_results.csv").read_text().splitlines()[1:]) == sorted(expected)
+    assert "submitting" not in json.loads((out / "jobs" / "running.json").read_text())
+
+
+def _hold_claim_then_finish(out: str, name: str, identity: str, hold_s: float) -> None:
+    """Another job: holds checkpoint `name`'s claim, writes its results, lets go (runs in a child process)."""
+    import json as json_
+    import time as time_
+    from pathlib import Path as Path_
+
+    from nano_eval.sweep.worker import claim_checkpoint
+
+    with claim_checkpoint(Path_(out), name):
+        Path_(out, "ready").write_text("1")
+        time_.sleep(hold_s)
+        Path_(out, name).mkdir()
+        Path_(out, name, "results.json").write_text(json_.dumps({"sweep": {"evaluation_identity": identity}}))
+
+
+def test_a_job_waits_for_the_job_scoring_the_same_checkpoint_then_reuses_it(tmp_path, capsys):
+    """Two jobs given one checkpoint (a restarted driver submitted it again): the second waits for the first's claim
+    and then finds its results, instead of scoring the checkpoint a second time."""
+    import multiprocessing
+
+    from nano_eval.sweep.worker import _already_done, claim_checkpoint
+
+    other = multiprocessing.get_context("spawn").Process(
+        target=_hold_claim_then_finish, args=(str(tmp_path), "checkpoint-8", "identity-1", 1.5))
+    other.start()
+    try:
+        _wait(lambda: (tmp_path / "ready").exists(), 60, "the other job's claim")
+        start = time.monotonic()
+        with claim_checkpoint(tmp_path, "checkpoint-8"):
+            waited = time.monotonic() - start
+            done = _already_done(tmp_path / "checkpoint-8" / "results.json", "identity-1")
+    finally:
+        other.join(timeout=60)
+        other.kill()
+    assert waited > 1.0 and done
+    assert "checkpoint-8 is being scored by another job" in capsys.readouterr().out
+    with claim_checkpoint(tmp_path, "checkpoint-8", hold=False):  # the job's other ranks hold nothing
+        pass

@@ -16,7 +16,9 @@ checkpoints as failed (table `error` column, exit code 1). Re-running the comman
 checkpoint, so it is idempotent. SIGINT / SIGTERM cancel the jobs still running (scancel under Slurm) and keep
 what they finished. The driver should stay alive while the jobs run (a login-node shell, tmux, or its own small
 job); if it dies anyway, the jobs go on, and the next run of the command finds them in `<out>/jobs/running.json`
-and waits for them instead of scoring their checkpoints a second time.
+and waits for them instead of scoring their checkpoints a second time. Checkpoints are recorded there before
+their jobs are submitted; should the driver die during a submission, a job never scores a checkpoint another job
+is scoring or has scored (the job holds `<out>/jobs/claims/<checkpoint>.lock` while it decides and scores).
 """
 
 from __future__ import annotations
@@ -34,11 +36,12 @@ from typing import Any
 from nano_eval.errors import NanoEvalError, TasksFailedError
 from nano_eval.sweep.runner import SweepOptions, SweepRunner, WorkItem
 from nano_eval.sweep.signals import StopFlag
+from nano_eval.sweep.worker import CLAIMS_DIR, JOBS_DIR
 
 LAUNCHERS = ("local", "slurm")
-JOBS_DIR = "jobs"  # <out>/jobs/: submitit's pickles and each job's <id>_<task>_log.out / .err
 JOB_POLL_S = {"local": 0.2, "slurm": 10.0}  # how often the driver asks whether a job ended
 RUNNING_NAME = "running.json"  # <out>/jobs/running.json: the jobs the driver waits for (read by a restarted driver)
+SUBMITTING = "submitting"  # running.json's key for the checkpoints of a submission under way (job ids unknown)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -211,6 +214,9 @@ class LaunchedSweep(SweepRunner):
         if not groups:
             return
         jobs = []
+        # recorded first: a driver killed during the submission leaves this record, and its restarted successor
+        # knows that jobs for these checkpoints may exist (worker.claim_checkpoint keeps them from scoring twice)
+        self._write_running(submitting=[i for group in groups for i in group])
         with self.executor.batch():  # one Slurm array (one sbatch) per round
             for group in groups:
                 jobs.append(self.executor.submit(run_group, self.job, str(self.run_dir), group,
@@ -223,15 +229,20 @@ class LaunchedSweep(SweepRunner):
                   f"{', '.join(i.ckpt.name for i in group)} (log: {job.paths.stderr})", flush=True)
         self._write_running()
 
-    def _write_running(self) -> None:
+    def _write_running(self, submitting: list[WorkItem] = ()) -> None:
         """Record the jobs being waited for, so a driver restarted after this one died waits for them instead of
-        scoring their checkpoints a second time."""
+        scoring their checkpoints a second time; `submitting`: checkpoints whose jobs are being submitted now (their
+        ids are not known yet), recorded under the key SUBMITTING until the next call."""
         from nano_eval.tracking.files import write_json
 
-        write_json(self.out / JOBS_DIR / RUNNING_NAME, {
+        records = {
             str(s.job.job_id): {"launcher": self.launch.launcher, "attempt": s.attempt,
                                 "checkpoints": {i.ckpt.name: i.identity for i in s.items} | (s.adopted or {})}
-            for s in self.running})
+            for s in self.running}
+        if submitting:
+            records[SUBMITTING] = {"launcher": self.launch.launcher,
+                                   "checkpoints": {i.ckpt.name: i.identity for i in submitting}}
+        write_json(self.out / JOBS_DIR / RUNNING_NAME, records)
 
     def _adopt(self) -> None:
         """Follow the jobs an earlier driver of this folder left running (it was killed, or its login shell ended)."""
@@ -241,6 +252,12 @@ class LaunchedSweep(SweepRunner):
             return
         for job_id, record in records.items():
             if record.get("launcher") != self.launch.launcher:
+                continue
+            if job_id == SUBMITTING:
+                print(f"nano_eval: warning: an earlier run of this sweep was stopped while submitting jobs for "
+                      f"{', '.join(record['checkpoints'])}; if any of them started, the job submitted now for the "
+                      f"same checkpoint waits for it and reuses its results (lock files in "
+                      f"{self.out / JOBS_DIR / CLAIMS_DIR}), so nothing is scored twice", flush=True)
                 continue
             if self.launch.launcher == "local":
                 job = OrphanLocalJob(self.out / JOBS_DIR, job_id)

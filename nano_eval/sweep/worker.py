@@ -20,12 +20,17 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 
 from nano_eval.job import EvalJob
 from nano_eval.sweep.runner import WorkItem, evaluate_item, finished_identity, free_memory
 from nano_eval.tracking.wandb_logger import one_line
+
+JOBS_DIR = "jobs"  # <out>/jobs/: submitit's pickles and each job's <id>_<task>_log.out / .err
+CLAIMS_DIR = "claims"  # <out>/jobs/claims/<checkpoint>.lock: held by the job scoring that checkpoint
 
 
 class GroupFailed(RuntimeError):
@@ -51,27 +56,54 @@ def run_group(job: EvalJob, run_dir: str, items: list[WorkItem], dist_timeout_s:
     status, failed = {}, []
     for item in items:
         name = item.ckpt.name
-        if _already_done(Path(job.output_dir) / name / "results.json", item.identity):
-            status[name] = "reused"
-            continue
-        start = time.perf_counter()
-        try:
-            evaluate_item(job, tasks, Path(run_dir), item)
-            status[name] = "evaluated"
-            if main:
-                print(f"nano_eval job: {name} (step {item.ckpt.step}): evaluated in "
-                      f"{time.perf_counter() - start:.1f}s", flush=True)
-        except Exception as e:  # noqa: BLE001 -- recorded; the group's other checkpoints still run
-            failed.append(f"{name} (step {item.ckpt.step}): {one_line(e, limit=1000)}")
-            if main:
-                import traceback
+        with claim_checkpoint(Path(job.output_dir), name, hold=main):
+            if _already_done(Path(job.output_dir) / name / "results.json", item.identity):
+                status[name] = "reused"
+                continue
+            start = time.perf_counter()
+            try:
+                evaluate_item(job, tasks, Path(run_dir), item)
+                status[name] = "evaluated"
+                if main:
+                    print(f"nano_eval job: {name} (step {item.ckpt.step}): evaluated in "
+                          f"{time.perf_counter() - start:.1f}s", flush=True)
+            except Exception as e:  # noqa: BLE001 -- recorded; the group's other checkpoints still run
+                failed.append(f"{name} (step {item.ckpt.step}): {one_line(e, limit=1000)}")
+                if main:
+                    import traceback
 
-                traceback.print_exception(e)
+                    traceback.print_exception(e)
         free_memory()
     _leave_job_ranks()
     if failed:
         raise GroupFailed("; ".join(failed))
     return status
+
+
+@contextmanager
+def claim_checkpoint(out_dir: Path, name: str, hold: bool = True) -> Iterator[None]:
+    """Hold `<out>/jobs/claims/<name>.lock` (an OS file lock: the kernel releases it when the job dies) while a job
+    decides whether checkpoint `name` is done and scores it. Two jobs given the same checkpoint (a driver killed
+    while submitting, then restarted, submits it again) take turns: the second waits, then finds the first one's
+    results and reuses them, so no checkpoint is scored twice. Only the job's rank 0 holds it (hold=False: a no-op);
+    the job's other ranks wait for rank 0's answer in `_already_done` meanwhile, within --dist-timeout."""
+    if not hold:
+        yield
+        return
+    from filelock import FileLock, Timeout
+
+    path = out_dir / JOBS_DIR / CLAIMS_DIR / f"{name}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(path))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        print(f"nano_eval job: {name} is being scored by another job (lock {path}): waiting for it", flush=True)
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def _already_done(results_path: Path, identity: str) -> bool:
