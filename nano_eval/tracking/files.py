@@ -106,30 +106,26 @@ def details_file_name(task_key: str) -> str:
 
 def check_output_paths(out_dir: str | Path, *, folders: Iterable[str] = (), files: Iterable[str] = (),
                        option: str = "--output-dir") -> None:
-    """Fail early, before any model loads, if the results could not be written: `out_dir` and each of `folders`
-    under it are created if missing and a probe file is written and removed in each; each of `files` under it must
-    not be a folder. Raises NanoEvalError (one line naming the path and the fix; exit code 2)."""
+    """Fail early, before any model loads, if the results could not be written, and create nothing: for `out_dir`
+    and each of `folders` under it, the deepest part of the path that exists must be a folder in which a probe file
+    can be written (and is removed); each of `files` under it must not be a folder. Raises NanoEvalError (one line
+    naming the path and the fix; exit code 2)."""
     from nano_eval.errors import NanoEvalError
 
     out = Path(out_dir)
     fix = f"Fix: pass an {option} that names a folder you can write in (or move what is in the way)."
     for folder in (out, *(out / name for name in folders)):
+        existing = next(p for p in (folder, *folder.parents) if p.exists() or p == Path(p.anchor or "."))
+        if existing == folder and not folder.is_dir():
+            raise NanoEvalError(f"{folder} is a file, not a folder ({option}). {fix}")
+        if not existing.is_dir():
+            raise NanoEvalError(f"{folder} cannot be created: {existing} is a file, not a folder ({option}). {fix}")
         try:
-            folder.mkdir(parents=True, exist_ok=True)
-        except FileExistsError:
-            raise NanoEvalError(f"{folder} is a file, not a folder ({option}). {fix}") from None
-        except NotADirectoryError:
-            blocker = next((p for p in folder.parents if p.exists() and not p.is_dir()), folder.parent)
-            raise NanoEvalError(f"{folder} cannot be created: {blocker} is a file, not a folder ({option}). "
-                                f"{fix}") from None
-        except OSError as e:
-            raise NanoEvalError(f"{folder} cannot be created ({e.strerror or e}) ({option}). {fix}") from None
-        try:
-            fd, probe = tempfile.mkstemp(dir=folder, prefix=".nano_eval_write_check.")
+            fd, probe = tempfile.mkstemp(dir=existing, prefix=".nano_eval_write_check.")
             os.close(fd)
             os.unlink(probe)
         except OSError as e:
-            raise NanoEvalError(f"cannot write in {folder} ({e.strerror or e}) ({option}). {fix}") from None
+            raise NanoEvalError(f"cannot write in {existing} ({e.strerror or e}) ({option}). {fix}") from None
     for name in files:
         if (out / name).is_dir():
             raise NanoEvalError(f"{out / name} is a folder, but nano_eval writes a file there ({option}). {fix}")
