@@ -263,7 +263,7 @@ def test_compare_flags_only_differences_larger_than_the_stderr(tmp_path, capsys)
                      str(tmp_path / "cmp"), "--labels", "base,wider,third"]) == 0
     out = capsys.readouterr().out
     assert "3 comparisons, 1 larger than 2 x stderr" in out and "gap acc: wider" in out
-    assert "signal and noise across runs (last 5 checkpoints)" in out and "gap acc: signal" in out
+    assert "signal and noise across runs (the last 5 checkpoints of each run" in out and "gap acc: signal" in out
     rows = {(r["task"], r["run"]): r for r in csv.DictReader((tmp_path / "cmp" / "compare.csv").open())}
     assert set(rows) == {("gap", "wider"), ("same", "wider"), ("same", "third")}
     gap = rows["gap", "wider"]
