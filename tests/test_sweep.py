@@ -216,11 +216,11 @@ def test_rerun_reuses_every_finished_checkpoint(swept, capsys):
     assert run_main(_sweep_args(run, out)) == 0
     printed = capsys.readouterr().out
     assert "6 reused" in printed
-    # the end: the results table (a line per checkpoint, a column per task and metric), then where the files are
-    header = next(line for line in printed.splitlines() if line.startswith("step  checkpoint"))
-    assert all(f"{task} " in header for task in TASKS.split(","))
-    assert [line.split()[:2] for line in printed.splitlines() if line.split()[:1] in ([str(s)] for s in STEPS)] == [
-        [str(s), f"checkpoint-{s}"] for s in STEPS]
+    # the end: the results table (a line per task x metric, a column per checkpoint), then where the files are
+    header = next(line for line in printed.splitlines() if line.startswith("task "))
+    assert header.split()[2:] == [word for s in STEPS for word in ("step", str(s))]
+    lines = [line.split() for line in printed.splitlines() if line.split()[:1] in ([t] for t in TASKS.split(","))]
+    assert {line[0] for line in lines} == set(TASKS.split(",")) and all(len(line) == 2 + len(STEPS) for line in lines)
     assert f"table: {out / 'sweep_results.csv'}" in printed and f"report: {out / 'report' / 'index.html'}" in printed
     assert {p: p.stat().st_mtime_ns for p in out.glob("checkpoint-*/results.json")} == before
     assert (out / "sweep_results.csv").read_text() == table
@@ -471,3 +471,19 @@ def test_wandb_run_gets_the_signal_table(swept):
     assert logged["columns"][:3] == ["rank", "task", "metric"] and len(logged["data"]) == len(local) == len(
         {(r["task"], r["metric"]) for r in read_table(out)})
     assert [(r[1], r[2]) for r in logged["data"]] == [(r["task"], r["metric"]) for r in local]
+
+
+def test_terminal_table_shows_the_last_checkpoints_and_each_failure():
+    """The end-of-sweep table stays narrow on a long sweep: the last 8 checkpoints as columns, a line saying the
+    rest are in the CSV, and one line per failed checkpoint."""
+    from nano_eval.sweep.table import text_table
+
+    rows = [{"step": s, "checkpoint": f"checkpoint-{s}", "task": "demo|arithmetic|0", "metric": "acc",
+             "value": s / 100, "stderr": None, "error": ""} for s in range(10, 130, 10)]
+    rows.append({"step": 130, "checkpoint": "checkpoint-130", "task": "", "metric": "", "value": None,
+                 "stderr": None, "error": "config.json: not JSON"})
+    lines = text_table(rows).splitlines()
+    assert lines[0].split() == ["task", "metric"] + [w for s in range(60, 140, 10) for w in ("step", str(s))]
+    assert lines[2].split() == ["demo|arithmetic|0", "acc", *(f"{s / 100:.4f}" for s in range(60, 130, 10))]
+    assert lines[3] == "(the last 8 of 13 checkpoints; every one is in sweep_results.csv)"
+    assert lines[4] == "step 130 (checkpoint-130) failed: config.json: not JSON"

@@ -110,8 +110,8 @@ def check_sweep_output(args: argparse.Namespace) -> None:
 
 
 def print_results(args: argparse.Namespace, summary, seconds: float) -> None:
-    """Rank 0, at the end: the results table (one line per checkpoint), the counts, and where the table, the report
-    and the job logs are."""
+    """Rank 0, at the end: the results table (one line per task x metric, the last checkpoints as columns), the
+    counts, and where the table, the report and the job logs are."""
     from nano_eval.sweep.report import HTML_NAME, REPORT_DIR
     from nano_eval.sweep.table import CSV_NAME, read_table, text_table
 

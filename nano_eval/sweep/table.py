@@ -119,21 +119,26 @@ def read_table(out_dir: str | Path) -> list[dict]:
     return rows
 
 
-def text_table(rows: list[dict]) -> str:
-    """The table for the terminal: one line per checkpoint in step order, one column per task and metric (value,
-    4 decimals), and an `error` column when some checkpoint failed."""
-    columns = list(dict.fromkeys((r["task"], r["metric"]) for r in rows if r["task"]))
-    lines: dict[int, dict] = {}
-    for r in rows:
-        line = lines.setdefault(r["step"], {"checkpoint": r["checkpoint"], "error": ""})
-        if r["task"]:
-            line[(r["task"], r["metric"])] = "" if r["value"] is None else f"{r['value']:.4f}"
-        line["error"] = line["error"] or r["error"]
-    with_error = any(line["error"] for line in lines.values())
-    header = ["step", "checkpoint", *(f"{task} {metric}" for task, metric in columns)] + ["error"] * with_error
-    table = [header] + [[str(step), line["checkpoint"], *(line.get(c, "") for c in columns)]
-                        + [line["error"]] * with_error for step, line in sorted(lines.items())]
+TERMINAL_CHECKPOINTS = 8  # the terminal table shows the last 8 checkpoints; sweep_results.csv holds them all
+
+
+def text_table(rows: list[dict], last: int = TERMINAL_CHECKPOINTS) -> str:
+    """The table for the terminal, as narrow as the run allows: one line per task x metric, one column per
+    checkpoint (its step; the last `last` checkpoints in step order, the rest left to sweep_results.csv), values
+    with 4 decimals; then one line per failed checkpoint with its error."""
+    steps = sorted({r["step"] for r in rows})
+    shown = steps[-last:]
+    keys = list(dict.fromkeys((r["task"], r["metric"]) for r in rows if r["task"]))
+    values = {(r["task"], r["metric"], r["step"]): "" if r["value"] is None else f"{r['value']:.4f}"
+              for r in rows if r["task"]}
+    header = ["task", "metric", *(f"step {s}" for s in shown)]
+    table = [header] + [[task, metric, *(values.get((task, metric, s), "") for s in shown)] for task, metric in keys]
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
-    text = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table]
+    text = ["  ".join(cell.rjust(w) if i > 1 else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+            .rstrip() for row in table]
     text.insert(1, "  ".join("-" * w for w in widths))
+    if len(steps) > len(shown):
+        text.append(f"(the last {len(shown)} of {len(steps)} checkpoints; every one is in {CSV_NAME})")
+    errors = {r["step"]: (r["checkpoint"], r["error"]) for r in rows if r.get("error")}
+    text += [f"step {step} ({name}) failed: {error}" for step, (name, error) in sorted(errors.items())]
     return "\n".join(text)
