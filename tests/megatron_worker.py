@@ -25,11 +25,13 @@ def _setup(tp: int, pp: int = 1, vp: int | None = None, gloo_groups: bool = Fals
     megatron_cpu.install()
     from megatron.core import parallel_state as ps
 
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                 virtual_pipeline_model_parallel_size=vp, create_gloo_process_groups=gloo_groups,
-                                 expert_model_parallel_size=ep, context_parallel_size=cp)
+    from nano_eval.compat.megatron import owned_process_groups, reset_model_parallel
+
+    reset_model_parallel()  # the previous layout's groups too: left alive, each slows every later collective
+    with owned_process_groups():
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                     virtual_pipeline_model_parallel_size=vp, create_gloo_process_groups=gloo_groups,
+                                     expert_model_parallel_size=ep, context_parallel_size=cp)
 
 
 def _tokenizer(tokenizer_dir):

@@ -208,7 +208,8 @@ def single_stage_parallel_state():
 
     Without a process group: a 1-process gloo group on an in-memory store (no port). Inside a world of N ranks
     (torchrun): every rank must call this; each builds the whole model and loads it (DP = N)."""
-    from nano_eval.compat.megatron import import_megatron_core, initialize_cpu_model_parallel
+    from nano_eval.compat.megatron import (import_megatron_core, initialize_cpu_model_parallel,
+                                           reset_model_parallel)
 
     ps = import_megatron_core()
     own_world = not dist.is_initialized()
@@ -225,7 +226,7 @@ def single_stage_parallel_state():
         yield
     finally:
         if own_state:
-            ps.destroy_model_parallel()
+            reset_model_parallel()  # its groups too: a sweep loads one checkpoint after another
         if own_world:
             dist.destroy_process_group()
 

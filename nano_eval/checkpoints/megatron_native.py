@@ -34,9 +34,10 @@ def load_native(checkpoint: str, tokenizer: str | None, *, tp: int, pp: int, ep:
                 max_length: int | None, device: str, policy: FilePolicy = FilePolicy()):
     """A MegatronModel backend holding the checkpoint's model in tp x pp x ep (every rank of the world calls it)."""
     from nano_eval.backends.megatron import MegatronModel
-    from nano_eval.compat.megatron import import_megatron_core, initialize_model_parallel_for_eval
+    from nano_eval.compat.megatron import (import_megatron_core, initialize_model_parallel_for_eval,
+                                           reset_model_parallel)
 
-    ps = import_megatron_core()
+    import_megatron_core()  # or say how to install it
     if not tokenizer:
         raise NanoEvalError(f"checkpoint {checkpoint}: Megatron checkpoints do not hold a tokenizer. "
                             "Fix: pass --tokenizer PATH_OR_HUB_ID (the one the run trained with).")
@@ -51,8 +52,7 @@ def load_native(checkpoint: str, tokenizer: str | None, *, tp: int, pp: int, ep:
     files = _legacy_files(iter_dir, (tp, pp, ep), policy) if legacy else None  # a layout mismatch: before any setup
     if not dist.is_initialized():  # one process without torchrun: a world of one on an in-memory store
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
+    reset_model_parallel()  # the previous checkpoint's layout, groups included (a sweep loads one after another)
     initialize_model_parallel_for_eval(tp=tp, pp=pp, ep=ep, device=device)
     torch_dtype = getattr(torch, dtype)
     if legacy:

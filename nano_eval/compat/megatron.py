@@ -15,7 +15,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+from collections.abc import Iterator
 
 import torch.distributed as dist
 
@@ -98,7 +100,41 @@ def initialize_cpu_model_parallel(tp: int = 1, pp: int = 1) -> None:
     kwargs = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp}
     if "create_gloo_process_groups" in inspect.signature(ps.initialize_model_parallel).parameters:
         kwargs["create_gloo_process_groups"] = False
-    ps.initialize_model_parallel(**kwargs)
+    with owned_process_groups():
+        ps.initialize_model_parallel(**kwargs)
+
+
+_OWN_GROUPS: list = []  # process groups made while nano_eval set parallel_state up (owned_process_groups)
+
+
+def _process_groups() -> list:
+    """Every process group of this process (torch's registry; empty where a torch release lacks it)."""
+    return list(getattr(getattr(dist.distributed_c10d, "_world", None), "pg_map", {}))
+
+
+@contextlib.contextmanager
+def owned_process_groups() -> Iterator[None]:
+    """The process groups made inside (megatron's `initialize_model_parallel`) become nano_eval's own: the next
+    `reset_model_parallel` destroys them."""
+    before = set(_process_groups())
+    yield
+    _OWN_GROUPS.extend(g for g in _process_groups() if g not in before)
+
+
+def reset_model_parallel() -> None:
+    """Tear parallel_state down and destroy the process groups nano_eval made for it, before it is set up again in
+    another layout. megatron-core's `destroy_model_parallel` only forgets its groups: a sweep that loads checkpoint
+    after checkpoint would keep every earlier checkpoint's groups alive, each with its gloo threads or NCCL
+    communicator buffers (measured on CPU/gloo, 4 ranks: scoring 2.4x slower after 12 re-initialisations). Groups
+    made by anyone else (a trainer's) are never touched."""
+    ps = import_megatron_core()
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    alive = set(_process_groups())
+    for group in _OWN_GROUPS:
+        if group in alive:
+            dist.destroy_process_group(group)
+    _OWN_GROUPS.clear()
 
 
 def initialize_model_parallel_for_eval(*, tp: int, pp: int, ep: int = 1, device: str = "cpu") -> None:
@@ -110,7 +146,8 @@ def initialize_model_parallel_for_eval(*, tp: int, pp: int, ep: int = 1, device:
     if not device.startswith("cuda") and "create_gloo_process_groups" in inspect.signature(
             ps.initialize_model_parallel).parameters:
         kwargs["create_gloo_process_groups"] = False
-    ps.initialize_model_parallel(**kwargs)
+    with owned_process_groups():
+        ps.initialize_model_parallel(**kwargs)
 
 
 def unwrap(module):
