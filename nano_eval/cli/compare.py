@@ -55,7 +55,8 @@ def main(argv: list[str]) -> int:
         for d in flagged:
             print(f"  {d.task} {d.metric}: {d.run} {d.value:.4f} vs {d.baseline} {d.baseline_value:.4f} at "
                   f"{d.x} {d.at:.4g} (difference {d.difference:+.4f}, z {d.z:+.1f})")
-        print(f"signal and noise across runs (the last {args.last_n} checkpoints of each run, or all it has when fewer):")
+        print(f"signal and noise across runs (the last {args.last_n} checkpoints of each run, or all it has "
+              "when fewer):")
         for p in population:
             accuracy = "" if p.decision_accuracy is None else \
                 f", decision accuracy {p.decision_accuracy:.2f} ({p.pairs} pairs)"

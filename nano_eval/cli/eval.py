@@ -4,7 +4,8 @@
 
 Every rank evaluates (data parallel); global rank 0 writes results.json (+ details/) at the end, atomically: a
 failed run leaves no partial results, and a run into a folder that already holds results replaces them (details
-included). An output folder that cannot be written is refused before any model loads (exit 2). `--checkpoint RUN_DIR` on a folder of checkpoints runs `nano_eval sweep`.
+included). An output folder that cannot be written is refused before any model loads (exit 2). `--checkpoint
+RUN_DIR` on a folder of checkpoints runs `nano_eval sweep`.
 """
 
 from __future__ import annotations

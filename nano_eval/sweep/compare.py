@@ -31,9 +31,7 @@ matplotlib, one plot per task x metric: plots.py).
 
 from __future__ import annotations
 
-import csv
 import html
-import io
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -42,7 +40,7 @@ from nano_eval.errors import NanoEvalError
 from nano_eval.sweep import plots
 from nano_eval.sweep.metric_kinds import bounded
 from nano_eval.sweep.snr import LAST_N, Curve, PopulationStats, population_stats, table_curves
-from nano_eval.sweep.table import CSV_NAME, read_table
+from nano_eval.sweep.table import CSV_NAME, csv_text, read_table
 from nano_eval.tracking.files import atomic_write_text
 
 COLUMNS = ("task", "metric", "run", "baseline", "x", "at", "value", "baseline_value", "difference", "noise", "z",
@@ -154,18 +152,10 @@ def write_comparison(out_dirs: list[str], labels: list[str] | None, dest: str, t
     runs = {label: load_curves(Path(d)) for label, d in zip(labels, out_dirs)}
     found = differences(runs, threshold)
     population = signal_table(runs, last_n, small, target)
-    atomic_write_text(Path(dest) / CSV_OUT, _csv(COLUMNS, [asdict(d) for d in found]))
-    atomic_write_text(Path(dest) / SIGNAL_CSV_OUT, _csv(SIGNAL_COLUMNS, [asdict(p) for p in population]))
+    atomic_write_text(Path(dest) / CSV_OUT, csv_text(COLUMNS, [asdict(d) for d in found]))
+    atomic_write_text(Path(dest) / SIGNAL_CSV_OUT, csv_text(SIGNAL_COLUMNS, [asdict(p) for p in population]))
     atomic_write_text(Path(dest) / HTML_OUT, _page(runs, found, population, threshold, last_n))
     return found, population
-
-
-def _csv(columns: tuple[str, ...], rows: list[dict]) -> str:
-    text = io.StringIO()
-    writer = csv.DictWriter(text, fieldnames=columns, lineterminator="\n")
-    writer.writeheader()
-    writer.writerows({k: ("" if v is None else v) for k, v in r.items()} for r in rows)
-    return text.getvalue()
 
 
 def _figure(key: tuple[str, str], runs: dict[str, dict[tuple[str, str], Curve]]) -> str:

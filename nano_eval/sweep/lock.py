@@ -3,9 +3,10 @@
 `OutputLock` holds `<out>/.nano_eval_sweep.lock` (an OS file lock via `filelock`: released by the kernel when the
 process dies, even by SIGKILL, so a crashed sweep never blocks the next one) for the whole sweep; a second sweep
 into the same folder stops at once with a message naming the holder (`<out>/.nano_eval_sweep.owner`: pid, host,
-start time), raising `OutputBusy` (the sweep's `--wait` catches it and tries again until the holder is done). `check_settings` keeps `<out>/sweep_settings.json`, the settings part of the evaluation identity
-(tasks, task versions, max_samples, seed, ...): a sweep with other settings into the same folder is refused with the
-differences named, instead of silently overwriting the results of the first.
+start time), raising `OutputBusy` (the sweep's `--wait` catches it and tries again until the holder is done).
+`check_settings` keeps `<out>/sweep_settings.json`, the settings part of the evaluation identity (tasks, task
+versions, max_samples, seed, ...): a sweep with other settings into the same folder is refused with the differences
+named, instead of silently overwriting the results of the first.
 """
 
 from __future__ import annotations

@@ -52,16 +52,21 @@ def _num(value) -> float | None:
     return None if value is None or (isinstance(value, float) and math.isnan(value)) else float(value)
 
 
+def csv_text(columns: tuple[str, ...], rows: list[dict]) -> str:
+    """CSV of `rows` (dicts keyed by `columns`), a header first; None is written as an empty field."""
+    text = io.StringIO()
+    writer = csv.DictWriter(text, fieldnames=columns, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    return text.getvalue()
+
+
 def write_table(done: dict[int, Path], out_dir: str | Path, failed: dict[int, tuple[str, str]] | None = None) -> Path:
     """Write `sweep_results.csv` (and `.parquet` when pyarrow imports) atomically, each through a uniquely named
     temporary file (tracking.files.atomic_write_bytes); returns the CSV path."""
     out = Path(out_dir)
     rows = table_rows(done, failed)
-    text = io.StringIO()
-    writer = csv.DictWriter(text, fieldnames=COLUMNS, lineterminator="\n")
-    writer.writeheader()
-    writer.writerows(rows)
-    atomic_write_text(out / CSV_NAME, text.getvalue())
+    atomic_write_text(out / CSV_NAME, csv_text(COLUMNS, rows))
     _write_parquet(rows, out / PARQUET_NAME)
     write_signal_table(rows, out)
     return out / CSV_NAME
@@ -72,18 +77,14 @@ def write_signal_table(rows: list[dict], out_dir: str | Path) -> Path:
     improving curves first, the largest trend / noise first; returns the CSV path."""
     out = Path(out_dir)
     stats = signal_rows(ranked(rows))
-    text = io.StringIO()
-    writer = csv.DictWriter(text, fieldnames=SIGNAL_COLUMNS, lineterminator="\n")
-    writer.writeheader()
-    writer.writerows({k: ("" if v is None else v) for k, v in r.items()} for r in stats)
-    atomic_write_text(out / SIGNAL_CSV_NAME, text.getvalue())
+    atomic_write_text(out / SIGNAL_CSV_NAME, csv_text(SIGNAL_COLUMNS, stats))
     try:
         import pyarrow as pa
         import pyarrow.parquet as pq
     except ImportError:
         return out / SIGNAL_CSV_NAME  # _write_parquet has said so for the main table
-    types = {"rank": pa.int64(), "task": pa.string(), "metric": pa.string(), "direction": pa.string(), "checkpoints": pa.int64(),
-             "x": pa.string()}
+    types = {"rank": pa.int64(), "task": pa.string(), "metric": pa.string(), "direction": pa.string(),
+             "checkpoints": pa.int64(), "x": pa.string()}
     schema = pa.schema([(c, types.get(c, pa.float64())) for c in SIGNAL_COLUMNS])
     buffer = io.BytesIO()
     pq.write_table(pa.Table.from_pylist(stats, schema=schema), buffer)

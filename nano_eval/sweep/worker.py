@@ -8,8 +8,9 @@ MASTER_ADDR / MASTER_PORT, the ranks join one process group and evaluate each ch
 `--backend nanotron --tp --pp` layout), as under torchrun; rank 0 writes.
 
 A checkpoint whose results file already has the item's evaluation identity is not evaluated again (a retried or
-repeated job redoes nothing); rank 0 reads the file and broadcasts the decision, so the job's ranks always agree. A checkpoint that fails is recorded and the group goes on; the job then raises
-(`GroupFailed`), so the launcher sees a failed job, names its log and retries it once.
+repeated job redoes nothing); rank 0 reads the file and broadcasts the decision, so the job's ranks always agree. A
+checkpoint that fails is recorded and the group goes on; the job then raises (`GroupFailed`), so the launcher sees a
+failed job, names its log and retries it once.
 
 Limitation (as in the sequential sweep): an error on only some ranks of a job leaves the others waiting in a
 collective until --dist-timeout; then they fail too and the job counts as failed.

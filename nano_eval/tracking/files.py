@@ -114,12 +114,16 @@ def check_output_paths(out_dir: str | Path, *, folders: Iterable[str] = (), file
 
     out = Path(out_dir)
     fix = f"Fix: pass an {option} that names a folder you can write in (or move what is in the way)."
+    probed = set()
     for folder in (out, *(out / name for name in folders)):
-        existing = next(p for p in (folder, *folder.parents) if p.exists() or p == Path(p.anchor or "."))
+        existing = next(p for p in (folder, *folder.parents) if p.exists())  # "." or "/" at the latest
         if existing == folder and not folder.is_dir():
             raise NanoEvalError(f"{folder} is a file, not a folder ({option}). {fix}")
         if not existing.is_dir():
             raise NanoEvalError(f"{folder} cannot be created: {existing} is a file, not a folder ({option}). {fix}")
+        if existing in probed:
+            continue
+        probed.add(existing)
         try:
             fd, probe = tempfile.mkstemp(dir=existing, prefix=".nano_eval_write_check.")
             os.close(fd)
