@@ -1,10 +1,18 @@
 """Shared fixtures: a toy checkpoint built once per test session (seconds, no download); and the process guard
 (tests/process_guard.py): a test that leaves a process running fails, and so does a session that does."""
 
+import os
+from pathlib import Path
+
 import pytest
 
 from tests.process_guard import (  # noqa: F401  (pytest hooks, found here by name)
     pytest_configure, pytest_runtest_setup, pytest_runtest_teardown, pytest_sessionfinish)
+
+# Every process a test starts (torchrun ranks, run.py, sweeps) imports the nano_eval under test, never another copy
+# that pip once installed in editable mode from a different checkout.
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")) if p)
 
 
 @pytest.fixture(scope="session")
