@@ -31,17 +31,28 @@ def toy_backend(toy_checkpoint):
 
 @pytest.fixture(scope="session")
 def megatron_world(toy_checkpoint, tmp_path_factory):
-    """One spawned world of 4 ranks running megatron-core's real GPTModel in every layout of
-    tests/megatron_worker.py (scores, two torch_dist saves, a legacy one and the example's, a Megatron-style
-    training run with the hook) and its MoE model (tests/megatron_moe_worker.py: moe_checks; an ep2 torch_dist
-    save in root / "moe_ep2"); shared by tests/test_megatron.py, tests/test_megatron_dist_ckpt.py and
+    """One spawned world of 4 ranks running megatron-core's real GPTModel in the default layouts of
+    tests/megatron_worker.py (all_layouts: scores, two torch_dist saves, a legacy one and the example's, a
+    Megatron-style training run with the hook) and its MoE model (tests/megatron_moe_worker.py: moe_checks; an ep2
+    torch_dist save in root / "moe_ep2"); shared by tests/test_megatron.py, tests/test_megatron_dist_ckpt.py and
     tests/test_megatron_moe.py so it is paid once."""
-    pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e '.[megatron]')")
-    from tests.dist_utils import run_distributed
-    from tests.megatron_worker import all_layouts
+    return _megatron_world("all_layouts", toy_checkpoint, tmp_path_factory.mktemp("megatron_world"), wandb=True)
 
-    root = tmp_path_factory.mktemp("megatron_world")
-    ranks = run_distributed(all_layouts, 4, str(toy_checkpoint), str(root), str(root / "wandb"), timeout=900)
+
+@pytest.fixture(scope="session")
+def megatron_slow_world(toy_checkpoint, tmp_path_factory):
+    """The slow set's world of 4 (tests/megatron_worker.py: slow_layouts): the other dense layouts, bf16 with
+    Megatron-LM's fusions, every other MoE layout x dispatcher, `--backend megatron` at tp2 x ep2, MoE training."""
+    return _megatron_world("slow_layouts", toy_checkpoint, tmp_path_factory.mktemp("megatron_slow_world"))
+
+
+def _megatron_world(function: str, toy_checkpoint, root: Path, wandb: bool = False) -> dict:
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e '.[megatron]')")
+    import tests.megatron_worker as worker
+    from tests.dist_utils import run_distributed
+
+    args = (str(toy_checkpoint), str(root)) + ((str(root / "wandb"),) if wandb else ())
+    ranks = run_distributed(getattr(worker, function), 4, *args, timeout=1800, pg_timeout_s=120)
     return {"root": root, "ranks": ranks}
 
 

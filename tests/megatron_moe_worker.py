@@ -20,7 +20,8 @@ CAPACITY = 1.0  # a common training setting: tokens past an expert's capacity ar
 # name: (tp, pp, ep, cp) in a world of 4; dp = 4 / (tp x pp) counts the CP ranks
 LAYOUTS = {"ep2": (1, 1, 2, 1), "tp2xep2": (2, 1, 2, 1), "pp2xep2": (1, 2, 2, 1), "cp2xep2": (1, 1, 2, 2),
            "pp2xcp2": (1, 2, 1, 2)}
-DEFAULT = (("tp2xep2", "alltoall"), ("pp2xep2", "allgather"), ("cp2xep2", "alltoall"))  # the rest: slow
+DEFAULT = (("tp2xep2", "alltoall"),)  # the default suite's layout x dispatcher; the rest: slow_moe_checks
+SLOW_TASKS = TASKS + ",demo|arithmetic_ppl|0"
 # generation: 7 prompts of mixed lengths, two generation sizes (a batch holds one), a token budget of ~3 rows
 GEN_PROMPTS = [f"Question: {i} plus {5 * i}\nAnswer:" + " so" * (i % 4) for i in range(7)]
 GEN_SIZES, GEN_BATCH_TOKENS = (12, 5), 60
@@ -216,36 +217,23 @@ def layout_scores(tokenizer_dir, name: str, dispatcher: str, tasks: str = TASKS)
                              pad_to_capacity=dispatcher == "alltoall"), tasks)
 
 
-def _timed_stages(stages) -> dict:
-    """{stage: result} of (name, fn) stages, plus {"seconds": {stage: wall seconds}}; one thread per rank."""
-    import torch
-
-    torch.set_num_threads(1)
-    out, seconds = {}, {}
-    for name, fn in stages:
-        start = time.perf_counter()
-        out[name] = fn()
-        seconds[name] = time.perf_counter() - start
-    out["seconds"] = seconds
-    return out
-
-
 def moe_checks(tokenizer_dir, root) -> dict:
     """The default suite's MoE stages, run inside tests/megatron_worker.py's world of 4 (the `megatron_world`
-    fixture: one spawn for every Megatron test): the ep1 dropless reference; tp2 x ep2 (alltoall), pp2 x ep2
-    (allgather) and cp2 x ep2 (CP emulated) with a capacity factor; the restore checks; an ep2 torch_dist save."""
+    fixture: one spawn for every Megatron test): the ep1 dropless reference; tp2 x ep2 (alltoall) with a capacity
+    factor; the restore checks; an ep2 torch_dist save, loaded at ep1 by `--backend megatron`."""
+    from tests.megatron_worker import _timed
+
     stages = [("reference", lambda: score(moe_backend(tokenizer_dir)))]
     stages += [(f"{name}/{d}", lambda name=name, d=d: layout_scores(tokenizer_dir, name, d)) for name, d in DEFAULT]
-    stages += [("restore", lambda: restore_checks(tokenizer_dir)), ("saved", lambda: save_moe_checkpoint(Path(root)))]
-    stages += [(f"native/{name}", lambda name=name: native_scores(tokenizer_dir, Path(root), name))
-               for name in NATIVE]
-    return _timed_stages(stages)
+    stages += [("restore", lambda: restore_checks(tokenizer_dir)), ("saved", lambda: save_moe_checkpoint(Path(root))),
+               ("native/ep1", lambda: native_scores(tokenizer_dir, Path(root), "ep1"))]
+    return _timed(stages)
 
 
 NATIVE = {"ep1": (1, 1, 1), "tp2xep2": (2, 1, 2)}  # layouts `--backend megatron` loads the ep2 save in: (tp, pp, ep)
 
 
-def native_scores(tokenizer_dir, root: Path, name: str) -> dict:
+def native_scores(tokenizer_dir, root: Path, name: str, tasks: str = TASKS) -> dict:
     """`run.py --backend megatron --tp T --pp P --ep E` on the ep2 torch_dist save (trained with a capacity factor,
     saved with it in its args): nano_eval builds the MoE GPTModel from those args and megatron-core reshards the
     experts into the layout; scored like the live layouts (tp2 x ep2: with generations, in lockstep)."""
@@ -257,21 +245,25 @@ def native_scores(tokenizer_dir, root: Path, name: str) -> dict:
                           max_length=None, device="cpu")
     backend.micro_batch_size = MICRO_BATCH
     if ep == 1:
-        return {"scores": summarize(backend, TASKS, BATCH_TOKENS, MAX_SAMPLES), "layout": backend.layout.describe()}
-    return score(backend)
+        return {"scores": summarize(backend, tasks, BATCH_TOKENS, MAX_SAMPLES), "layout": backend.layout.describe()}
+    return score(backend, tasks)
 
 
-def slow_world(rank, world, tokenizer_dir, root):
-    """The slow set's world of 4: the reference and every other layout x dispatcher on TASKS + the rolling-window
-    task, then Megatron-style training (DDP + distributed optimizer, aux loss, expert bias, a capacity factor) at ep2
-    and pp2 x ep2 with and without the hook."""
-    tasks = TASKS + ",demo|arithmetic_ppl|0"
-    stages = [("reference", lambda: score(moe_backend(tokenizer_dir), tasks))]
-    stages += [(f"{name}/{d}", lambda name=name, d=d: layout_scores(tokenizer_dir, name, d, tasks))
+def slow_moe_checks(tokenizer_dir, root) -> dict:
+    """The slow set's MoE stages, run inside tests/megatron_worker.py's slow world of 4 (`megatron_slow_world`):
+    the reference and every other layout x dispatcher on SLOW_TASKS (the rolling-window task added), the ep2 save
+    loaded at tp2 x ep2 by `--backend megatron`, then Megatron-style training (DDP + distributed optimizer, aux
+    loss, expert bias, a capacity factor) at ep2 and pp2 x ep2 with and without the hook."""
+    from tests.megatron_worker import _timed
+
+    stages = [("reference", lambda: score(moe_backend(tokenizer_dir), SLOW_TASKS))]
+    stages += [(f"{name}/{d}", lambda name=name, d=d: layout_scores(tokenizer_dir, name, d, SLOW_TASKS))
                for name in LAYOUTS for d in ("alltoall", "allgather") if (name, d) not in DEFAULT]
+    stages += [("saved", lambda: save_moe_checkpoint(Path(root))),
+               ("native/tp2xep2", lambda: native_scores(tokenizer_dir, Path(root), "tp2xep2", SLOW_TASKS))]
     stages += [(f"training/{name}", lambda name=name: moe_training(tokenizer_dir, Path(root), name))
                for name in ("ep2", "pp2xep2")]
-    return _timed_stages(stages)
+    return _timed(stages)
 
 
 def moe_training(tokenizer_dir, root: Path, name: str) -> dict:

@@ -10,6 +10,7 @@ MAX_SAMPLES, BATCH_TOKENS, MICRO_BATCH = 8, 512, 4
 # name: (tp, pp, virtual pp, sequence parallel); in a world of 4, dp = 4 / (tp x pp)
 LAYOUTS = {"tp2": (2, 1, None, False), "pp2": (1, 2, None, False), "tp2xpp2-sequence-parallel": (2, 2, None, True),
            "dp": (1, 1, None, False), "pp2-interleaved": (1, 2, 2, False)}
+DEFAULT_LAYOUTS = ("tp2", "pp2", "tp2xpp2-sequence-parallel")  # the default suite's; the rest: slow_layouts
 SAVED = ("tp2", "pp2")  # layouts whose live model is also saved as a torch_dist checkpoint
 ITERATION = 100
 
@@ -239,34 +240,47 @@ def example_save_checkpoint():
     return load_script("examples/megatron_train_with_eval.py", "megatron_train_with_eval").save_checkpoint
 
 
-def all_layouts(rank, world, tokenizer_dir, root, wandb_dir):
-    """World of 4: every layout of LAYOUTS scored (and two saved), tp2 in bf16 (bf16_checks), the saves loaded by
-    `--backend megatron`, the Megatron-style training run, then the Mixture-of-Experts checks
-    (tests/megatron_moe_worker.py: moe_checks). One thread per rank: 4 ranks share the machine's cores, and gloo
-    waits spin."""
+def _timed(stages) -> dict:
+    """{stage: result} of (name, fn) stages run in order, plus {"seconds": {stage: wall seconds}}; one thread per
+    rank: 4 ranks share the machine's cores, and gloo waits spin."""
     import time
 
     import torch
 
-    from tests.megatron_moe_worker import moe_checks
-
     torch.set_num_threads(1)
-    root, out, seconds, start = Path(root), {}, {}, time.perf_counter()
-    for name in LAYOUTS:
-        out[name] = score_layout(name, tokenizer_dir, root)
-        seconds[name], start = time.perf_counter() - start, time.perf_counter()
-    out["bf16"] = bf16_checks(tokenizer_dir)
-    seconds["bf16"], start = time.perf_counter() - start, time.perf_counter()
-    out["loaded"] = load_in_world(root / "tp2")
-    seconds["load"], start = time.perf_counter() - start, time.perf_counter()
-    out["native"] = native_scores(tokenizer_dir, root)
-    seconds["native"], start = time.perf_counter() - start, time.perf_counter()
-    out["training"] = training_checks(tokenizer_dir, root / "hook", wandb_dir)
-    seconds["training"], start = time.perf_counter() - start, time.perf_counter()
-    out["moe"] = moe_checks(tokenizer_dir, root)  # tests/test_megatron_moe.py
-    seconds["moe"] = time.perf_counter() - start
+    out, seconds = {}, {}
+    for name, fn in stages:
+        start = time.perf_counter()
+        out[name] = fn()
+        seconds[name] = time.perf_counter() - start
     out["seconds"] = seconds
     return out
+
+
+def all_layouts(rank, world, tokenizer_dir, root, wandb_dir):
+    """The default suite's world of 4: DEFAULT_LAYOUTS scored (tp2 and pp2 also saved), the saves loaded by
+    `--backend megatron`, the Megatron-style training run, then the default Mixture-of-Experts stages
+    (tests/megatron_moe_worker.py: moe_checks)."""
+    from tests.megatron_moe_worker import moe_checks
+
+    root = Path(root)
+    stages = [(name, lambda name=name: score_layout(name, tokenizer_dir, root)) for name in DEFAULT_LAYOUTS]
+    stages += [("loaded", lambda: load_in_world(root / "tp2")), ("native", lambda: native_scores(tokenizer_dir, root)),
+               ("training", lambda: training_checks(tokenizer_dir, root / "hook", wandb_dir)),
+               ("moe", lambda: moe_checks(tokenizer_dir, root))]  # tests/test_megatron_moe.py
+    return _timed(stages)
+
+
+def slow_layouts(rank, world, tokenizer_dir, root):
+    """The slow set's world of 4: the other LAYOUTS scored, tp2 in bf16 with Megatron-LM's fusions (bf16_checks),
+    then the slow Mixture-of-Experts stages (tests/megatron_moe_worker.py: slow_moe_checks)."""
+    from tests.megatron_moe_worker import slow_moe_checks
+
+    root = Path(root)
+    stages = [(name, lambda name=name: score_layout(name, tokenizer_dir, root))
+              for name in LAYOUTS if name not in DEFAULT_LAYOUTS]
+    stages += [("bf16", lambda: bf16_checks(tokenizer_dir)), ("moe", lambda: slow_moe_checks(tokenizer_dir, root))]
+    return _timed(stages)
 
 
 # saved checkpoint (under the world's root) -> the layout `--backend megatron` loads it in: (tp, pp)

@@ -2,11 +2,12 @@
 RMSNorm), its schedules, DistributedDataParallel and distributed optimizer, on CPU/gloo.
 
 One world of 4 ranks (the `megatron_world` fixture, tests/megatron_worker.py; CUDA-only calls answered by the test
-double tests/megatron_cpu.py) scores the same weights at tp2 x dp2, pp2 x dp2 (1F1B), tp2 x pp2 with
-sequence parallelism, dp4 and pp2 x vp2 x dp2 (interleaved schedule), tp2 x dp2 in bf16 with Megatron-LM's
-default fusions (the fused softmax through the CUDA extensions' test doubles, tests/megatron_kernels/), saves legacy
-and torch_dist checkpoints, and trains pp2 x dp2 the way Megatron-LM's train() does, with and without the hook. The
-reference is transformers' LlamaForCausalLM holding the same weights (tests/megatron_gpt.py).
+double tests/megatron_cpu.py) scores the same weights at tp2 x dp2, pp2 x dp2 (1F1B) and tp2 x pp2 with sequence
+parallelism, saves legacy and torch_dist checkpoints, and trains pp2 x dp2 the way Megatron-LM's train() does, with
+and without the hook. The slow set's world (`megatron_slow_world`) adds dp4, pp2 x vp2 x dp2 (interleaved schedule)
+and tp2 x dp2 in bf16 with Megatron-LM's default fusions (the fused softmax through the CUDA extensions' test
+doubles, tests/megatron_kernels/). The reference is transformers' LlamaForCausalLM holding the same weights
+(tests/megatron_gpt.py).
 """
 
 import json
@@ -20,8 +21,8 @@ import torch  # noqa: E402
 
 from nano_eval.errors import NanoEvalError  # noqa: E402
 from tests.generation_checks import GEN_TOKENS  # noqa: E402
-from tests.megatron_worker import (BATCH_TOKENS, EVAL_INTERVAL, GLOBAL_BATCH, ITERATION, LAYOUTS,  # noqa: E402
-                                   MAX_SAMPLES, SEQ, TASKS, TRAIN_ITERS)
+from tests.megatron_worker import (BATCH_TOKENS, DEFAULT_LAYOUTS, EVAL_INTERVAL, GLOBAL_BATCH,  # noqa: E402
+                                   ITERATION, LAYOUTS, MAX_SAMPLES, SEQ, TASKS, TRAIN_ITERS)
 
 EXACT = ("acc", "acc_norm", "acc_norm_token", "acc_norm_pmi", "exact_match", "quasi_exact_match")
 ITER = f"iter_{ITERATION:07d}"
@@ -68,22 +69,31 @@ def world(megatron_world):
     return megatron_world
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_every_layout_scores_like_transformers(world, reference, name):
+def world_of(request, name: str) -> dict:
+    """The world that scored layout `name`: the default suite's, or the slow set's (tests/megatron_worker.py)."""
+    return request.getfixturevalue("megatron_world" if name in DEFAULT_LAYOUTS else "megatron_slow_world")
+
+
+# every layout of LAYOUTS; those outside DEFAULT_LAYOUTS are scored by the slow set's world
+ALL_LAYOUTS = [pytest.param(name, marks=() if name in DEFAULT_LAYOUTS else pytest.mark.slow) for name in LAYOUTS]
+
+
+@pytest.mark.parametrize("name", ALL_LAYOUTS)
+def test_every_layout_scores_like_transformers(request, reference, name):
     tp, pp, vp, sp = LAYOUTS[name]
-    per_rank = [r[name] for r in world["ranks"]]
+    per_rank = [r[name] for r in world_of(request, name)["ranks"]]
     assert per_rank[0]["layout"] == {"world_size": 4, "tp": tp, "pp": pp, "dp": 4 // (tp * pp)}
     assert_same_scores(reference, _single([r["scores"] for r in per_rank], "scores"), name)
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_output_layer_computes_scored_positions_only(world, name):
+@pytest.mark.parametrize("name", ALL_LAYOUTS)
+def test_output_layer_computes_scored_positions_only(request, name):
     """On every rank holding the output layer, each call got [S, B, H] from the model ([S/tp, B, H] under
     sequence parallelism) and computed [N, 1, V/tp] logits, N = the scored positions; the backend's hooks are gone
     afterwards."""
     tp, sp = LAYOUTS[name][0], LAYOUTS[name][3]
     full = scored = 0
-    for rank in world["ranks"]:
+    for rank in world_of(request, name)["ranks"]:
         assert rank[name]["hooks_left"] == 0
         for (s, b, h), (n, one, v) in rank[name]["output_layer_calls"]:
             s = s * tp if sp else s
@@ -96,29 +106,30 @@ def test_output_layer_computes_scored_positions_only(world, name):
 
 # ---- greedy generation from megatron-core's static KV cache ---------------------------------------------------
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_kv_cache_generations_equal_the_rerun_path(world, name):
+@pytest.mark.parametrize("name", ALL_LAYOUTS)
+def test_kv_cache_generations_equal_the_rerun_path(request, name):
     """Every layout decodes from the KV cache (nano_eval.backends.megatron_cache) and gets the re-run path's tokens
     and texts: mixed prompt lengths, rows leaving the batch at different steps (under the
     interleaved schedule: 2 microbatches, batches topped up with filler rows); the decoder's hooks are gone
     afterwards."""
-    gens = [r[name]["generation"] for r in world["ranks"]]
-    assert all(r[name]["hooks_left_after_generation"] == 0 for r in world["ranks"])
+    ranks = world_of(request, name)["ranks"]
+    gens = [r[name]["generation"] for r in ranks]
+    assert all(r[name]["hooks_left_after_generation"] == 0 for r in ranks)
     for g in gens:
         assert g["decoder"]
         assert g["cached"] == g["rerun"] and g["cached_stop"] == g["rerun_stop"]
     assert len({len(tokens) for tokens, _, _ in gens[0]["cached_stop"].values()}) > 2  # rows finished apart
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_kv_cache_cost_grows_with_prompt_plus_answer(world, name):
+@pytest.mark.parametrize("name", ALL_LAYOUTS)
+def test_kv_cache_cost_grows_with_prompt_plus_answer(request, name):
     """Tokens through the embedding (first stage, summed over DP): the decoder runs each prompt once and each
     generated token once; the re-run path runs prompt + answer-so-far for every new token
     (tests/generation_checks.py: check_cost)."""
     from tests.generation_checks import check_cost
 
     _, pp, vp, _ = LAYOUTS[name]
-    gens = [r[name]["generation"] for r in world["ranks"]]
+    gens = [r[name]["generation"] for r in world_of(request, name)["ranks"]]
     cached, rerun = check_cost(gens, row_multiple=pp if vp else 1)
     print(f"{name}: {cached} tokens through the model with the KV cache, {rerun} re-running ({rerun / cached:.1f}x)")
     # the cache holds rows x (longest prompt + answer) columns: within generate()'s batch budget (filler rows of the
@@ -149,7 +160,8 @@ def reference_bf16_tasks(reference, toy_checkpoint):
     return out
 
 
-def test_bf16_with_megatron_lm_fusions_scores_within_tolerance_of_fp32(world, reference_bf16_tasks, toy_checkpoint):
+@pytest.mark.slow
+def test_bf16_with_megatron_lm_fusions_scores_within_tolerance_of_fp32(megatron_slow_world, reference_bf16_tasks, toy_checkpoint):
     """tp2 x dp2 in bf16, Float16Module, masked_softmax_fusion / bias_activation_fusion / bias_dropout_fusion on:
     scores (demo tasks, ARC-Easy) within tests/bf16_checks.py's tolerance of fp32 transformers; rows of 12-24 tokens
     in microbatches of 4 take megatron-core's fused upper-triangular softmax (the CUDA extension's test double) and
@@ -162,7 +174,7 @@ def test_bf16_with_megatron_lm_fusions_scores_within_tolerance_of_fp32(world, re
     from tests.megatron_gpt import transformers_llama
     from tests.megatron_worker import fused_requests
 
-    ranks = [r["bf16"] for r in world["ranks"]]
+    ranks = [r["bf16"] for r in megatron_slow_world["ranks"]]
     assert_bf16_close(reference_bf16_tasks, _single([r["scores"] for r in ranks], "bf16 scores"), "megatron bf16")
     assert all(r["fused_scores"]["kernels"] == {"scaled_upper_triang_masked_softmax_cuda": 4} for r in ranks)
     engine = Engine(TransformersModel(transformers_llama(), AutoTokenizer.from_pretrained(str(toy_checkpoint))),
@@ -174,13 +186,14 @@ def test_bf16_with_megatron_lm_fusions_scores_within_tolerance_of_fp32(world, re
         assert abs(got - fp32[r.key].logprob) <= REL * abs(fp32[r.key].logprob), r.key
 
 
-def test_bf16_kv_cache_prefill_is_exact_on_the_fused_softmax_path(world):
+@pytest.mark.slow
+def test_bf16_kv_cache_prefill_is_exact_on_the_fused_softmax_path(megatron_slow_world):
     """The fault: with bf16 and masked_softmax_fusion, a causal layer takes the fused upper-triangular kernel for a
     prefill whose width divides by 4 in 17..4096, and that kernel takes no mask, so left-padded rows attended to their
     padding (logits 5.6-7.2 off, 7 of 8 generations different, before the fix). The decoder now declares a padding
     mask type while decoding: every layer applies its mask in the fused masked kernel, and each row's prefill logits
     equal its prompt's alone."""
-    for rank in world["ranks"]:
+    for rank in megatron_slow_world["ranks"]:
         prefill = rank["bf16"]["fused_prefill"]
         assert prefill["width"] % 8 == 0 and 16 < prefill["width"] <= 4096 and prefill["rows"] == 8
         assert prefill["kernels"] == {"scaled_masked_softmax_cuda": 4}  # one call per layer, all fused
@@ -188,16 +201,18 @@ def test_bf16_kv_cache_prefill_is_exact_on_the_fused_softmax_path(world):
         assert prefill["generations"]["cached"] == prefill["generations"]["rerun"]
 
 
-def test_bf16_kv_cache_generations_equal_the_rerun_path(world):
+@pytest.mark.slow
+def test_bf16_kv_cache_generations_equal_the_rerun_path(megatron_slow_world):
     """tp2 x dp2 in bf16 with the fusions: the decoder's tokens and texts equal the bf16 re-run path's."""
-    for rank in world["ranks"]:
+    for rank in megatron_slow_world["ranks"]:
         gen = rank["bf16"]["generation"]
         assert gen["decoder"] and gen["cached"] == gen["rerun"] and gen["cached_stop"] == gen["rerun_stop"]
 
 
-def test_generations_identical_across_layouts_and_transformers(world, toy_checkpoint):
-    """tp1 (dp4), tp2, pp2, tp2 x pp2 with sequence parallelism and pp2 x vp2 decode the same tokens as
-    transformers' LlamaForCausalLM with the same weights (its own KV cache, nano_eval's transformers backend)."""
+@pytest.fixture(scope="module")
+def transformers_generations(toy_checkpoint):
+    """transformers' LlamaForCausalLM with the same weights (its own KV cache, nano_eval's transformers backend):
+    (generations, generations with a stop sequence)."""
     from transformers import AutoTokenizer
 
     from nano_eval.backends.transformers import TransformersModel
@@ -206,10 +221,15 @@ def test_generations_identical_across_layouts_and_transformers(world, toy_checkp
 
     backend = TransformersModel(transformers_llama(), AutoTokenizer.from_pretrained(str(toy_checkpoint)))
     reference = generate(backend, [])
-    reference_stop = generate(backend, stop_from(reference))
-    for name in LAYOUTS:
-        gen = world["ranks"][0][name]["generation"]
-        assert gen["cached"] == reference and gen["cached_stop"] == reference_stop, name
+    return reference, generate(backend, stop_from(reference))
+
+
+@pytest.mark.parametrize("name", ALL_LAYOUTS)
+def test_generations_identical_across_layouts_and_transformers(request, transformers_generations, name):
+    """tp1 (dp4), tp2, pp2, tp2 x pp2 with sequence parallelism and pp2 x vp2 decode the same tokens as
+    transformers."""
+    gen = world_of(request, name)["ranks"][0][name]["generation"]
+    assert (gen["cached"], gen["cached_stop"]) == transformers_generations
 
 
 def test_logprobs_match_megatrons_vocab_parallel_cross_entropy(world):

@@ -5,9 +5,11 @@ The reference is the same weights at ep1 x tp1 x pp1 (dp4) routing dropless. The
 training capacity factor of 1.0 (token dropping; the alltoall dispatcher also pads to capacity) and scored on 7
 documents in small batches, so data-parallel ranks get different numbers of batches and generation steps: without
 lockstep a rank would wait in its extra forward's MoE all-to-all until the process group's timeout, and with the
-capacity factor a row's log-probs move by up to 1.5 with the rest of its batch. The default suite's stages run in
-the `megatron_world` fixture's processes (tests/megatron_moe_worker.py: moe_checks); the slow set has its own world
-(the other layout x dispatcher pairs, the rolling-window task, training runs with the hook).
+capacity factor a row's log-probs move by up to 1.5 with the rest of its batch. The default suite's stages (tp2 x ep2
+with the alltoall dispatcher, the restore checks, `--backend megatron` at ep1) run in the `megatron_world`
+fixture's processes (tests/megatron_moe_worker.py: moe_checks); the slow set's run in `megatron_slow_world`
+(slow_moe_checks: every other layout x dispatcher, CP emulated, the rolling-window task, `--backend megatron` at
+tp2 x ep2, training runs with the hook).
 """
 
 import json
@@ -26,11 +28,31 @@ def _single(per_rank, what):
     return per_rank[0]
 
 
+def _stages(world: dict) -> dict:
+    """{stage: [per-rank results]} of a world's MoE stages, and the world's root."""
+    ranks = [r["moe"] for r in world["ranks"]]
+    return {stage: [r[stage] for r in ranks] for stage in ranks[0]} | {"root": world["root"]}
+
+
 @pytest.fixture(scope="module")
 def moe(megatron_world):
-    """{stage: [per-rank results]} of tests/megatron_moe_worker.py: moe_checks, and the world's root."""
-    ranks = [r["moe"] for r in megatron_world["ranks"]]
-    return {stage: [r[stage] for r in ranks] for stage in ranks[0]} | {"root": megatron_world["root"]}
+    """tests/megatron_moe_worker.py: moe_checks, the default suite's stages."""
+    return _stages(megatron_world)
+
+
+@pytest.fixture(scope="module")
+def moe_world(megatron_slow_world):
+    """tests/megatron_moe_worker.py: slow_moe_checks, the slow set's stages."""
+    return _stages(megatron_slow_world)
+
+
+def stages_of(request, stage: str) -> dict:
+    return request.getfixturevalue("moe" if tuple(stage.split("/")) in DEFAULT else "moe_world")
+
+
+# every layout x dispatcher; those outside DEFAULT run in the slow set's world
+ALL_STAGES = [pytest.param(f"{name}/{d}", marks=() if (name, d) in DEFAULT else pytest.mark.slow)
+              for name in LAYOUTS for d in ("alltoall", "allgather")]
 
 
 def _expected_layout(name: str) -> dict:
@@ -57,12 +79,13 @@ def check_layout_scores(stages: dict, stage: str):
     assert len({len(tokens) for tokens, _ in ref["generations_stop"].values()}) > 2  # rows finish apart
 
 
-@pytest.mark.parametrize("stage", [f"{name}/{d}" for name, d in DEFAULT])
-def test_moe_layouts_score_like_ep1_dropless(moe, stage):
-    """tp2 x ep2 (alltoall, padded to capacity), pp2 x ep2 (allgather) and cp2 x ep2 (CP emulated, alltoall), built
-    with capacity factor 1.0: log-probs within 1e-5 of ep1 dropless, identical accuracies and generations (KV cache
-    and re-run path), the same on every rank, and no hang."""
-    check_layout_scores(moe, stage)
+@pytest.mark.parametrize("stage", ALL_STAGES)
+def test_moe_layouts_score_like_ep1_dropless(request, stage):
+    """Each layout x dispatcher (ep2, tp2 x ep2, pp2 x ep2, cp2 x ep2 with CP emulated, pp2 x cp2 without EP; the
+    alltoall dispatcher padded to capacity), built with capacity factor 1.0: log-probs within 1e-5 of ep1 dropless,
+    identical accuracies and generations (KV cache and re-run path), the same on every rank, and no hang. The slow
+    set's stages add the rolling-window task."""
+    check_layout_scores(stages_of(request, stage), stage)
 
 
 def test_reference_is_dense_path(moe):
@@ -72,11 +95,11 @@ def test_reference_is_dense_path(moe):
     assert ref["layout"] == {"world_size": 4, "dp": 4, "tp": 1, "pp": 1, "moe_routing": "dropless"}
 
 
-@pytest.mark.parametrize("stage", [f"{name}/{d}" for name, d in DEFAULT])
-def test_lockstep_runs_dummy_batches_on_uneven_shards(moe, stage):
+@pytest.mark.parametrize("stage", [p for p in ALL_STAGES if LAYOUTS[p.values[0].split("/")[0]][2] > 1])
+def test_lockstep_runs_dummy_batches_on_uneven_shards(request, stage):
     """Every rank runs the same number of forwards (scoring, prefill, decoding steps); where a rank had fewer
-    scoring batches than its data-parallel peers it ran dummy ones. Prints the cost."""
-    counts = [r["forwards"] for r in moe[stage]]
+    scoring batches than its data-parallel peers it ran dummy ones (every layout with EP). Prints the cost."""
+    counts = [r["forwards"] for r in stages_of(request, stage)[stage]]
     assert len({c["runs"] for c in counts}) == 1 and len({c["scoring"] for c in counts}) == 1
     dummies = sum(c["dummy"] for c in counts)
     extra = sum(c["padded_tokens"] for c in counts) / max(1, sum(c["tokens"] for c in counts))
@@ -108,26 +131,7 @@ def test_moe_torch_dist_checkpoint_saved(moe):
     assert (path.parent / "latest_checkpointed_iteration.txt").read_text() == "100"
 
 
-# ---- the slow set: every other layout x dispatcher, the rolling-window task, training with the hook ------------
-
-@pytest.fixture(scope="module")
-def moe_world(toy_checkpoint, tmp_path_factory):
-    from tests.dist_utils import run_distributed
-    from tests.megatron_moe_worker import slow_world
-
-    root = tmp_path_factory.mktemp("megatron_moe_world")
-    ranks = run_distributed(slow_world, 4, str(toy_checkpoint), str(root), timeout=1800, pg_timeout_s=120)
-    return {stage: [r[stage] for r in ranks] for stage in ranks[0]} | {"root": root}
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("stage", [f"{name}/{d}" for name in LAYOUTS for d in ("alltoall", "allgather")
-                                   if (name, d) not in DEFAULT])
-def test_every_moe_layout_and_dispatcher_scores_like_ep1(moe_world, stage):
-    """ep2 (both dispatchers), tp2 x ep2 (allgather), pp2 x ep2 (alltoall), cp2 x ep2 (allgather), pp2 x cp2 (no
-    EP: no lockstep; each dispatcher): as the default set's layouts, plus the rolling-window task."""
-    check_layout_scores(moe_world, stage)
-
+# ---- the slow set: training with the hook ----------------------------------------------------------------------
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["ep2", "pp2xep2"])
@@ -149,11 +153,12 @@ def test_moe_training_losses_are_bitwise_identical_with_the_hook(moe_world, name
     assert written["layout"] == _expected_layout(name)  # results.json says EP and dropless routing
 
 
-@pytest.mark.parametrize("name", ["ep1", "tp2xep2"])
-def test_native_backend_scores_the_ep2_checkpoint_like_the_live_model(moe, name):
+@pytest.mark.parametrize("name", ["ep1", pytest.param("tp2xep2", marks=pytest.mark.slow)])
+def test_native_backend_scores_the_ep2_checkpoint_like_the_live_model(request, name):
     """`--backend megatron`: the MoE model saved at ep2 (with a training capacity factor in its args), built by
     nano_eval from its args and resharded by megatron-core to ep1 (dp4) or tp2 x ep2, scores like the ep1 dropless
     reference (generations too, at tp2 x ep2 in lockstep)."""
+    moe = request.getfixturevalue("moe" if name == "ep1" else "moe_world")
     reference = _single([r["scores"] for r in moe["reference"]], "reference scores")
     per_rank = moe[f"native/{name}"]
     assert_same_scores(reference, _single([r["scores"] for r in per_rank], "scores"), name)
