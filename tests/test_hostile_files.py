@@ -12,6 +12,7 @@ import io
 import json
 import os
 import pickle
+import re
 import shutil
 import signal
 import subprocess
@@ -51,8 +52,12 @@ def options(kind: str, toy_checkpoint, **kw) -> LoadOptions:
 
 
 def refused(path, opts: LoadOptions, *, within_s: float = 60) -> str:
-    """load_backend must raise one NanoEvalError line (exit code 2) within `within_s` seconds; returns it."""
+    """load_backend must raise one NanoEvalError line (exit code 2) within `within_s` seconds; returns it. (The
+    loader may wrap the alarm's exception in a refusal of its own: a fired alarm fails the test however it ended.)"""
+    fired = []
+
     def timeout(signum, frame):
+        fired.append(True)
         raise AssertionError(f"loading {path} did not end within {within_s}s")
 
     previous = signal.signal(signal.SIGALRM, timeout)
@@ -63,6 +68,7 @@ def refused(path, opts: LoadOptions, *, within_s: float = 60) -> str:
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
+    assert not fired, f"loading {path} did not end within {within_s}s: {raised.value}"
     text = str(raised.value)
     assert raised.value.exit_code == 2 and "\n" not in text and "Fix:" in text, text
     assert not any(w in text for w in ("MemoryError", "DefaultCPUAllocator", "allocate")), text
@@ -366,9 +372,24 @@ BAD_HF = {
                                    "deeper"),
     "config.json is a list": (lambda c: (c / "config.json").write_text("[1, 2]"), "not an object"),
     "config declares a huge model": (lambda c: (c / "config.json").write_text(
-        (c / "config.json").read_text().replace('"hidden_size": 32', '"hidden_size": 3200000')), "parameters"),
+        (c / "config.json").read_text().replace('"intermediate_size": 64', '"intermediate_size": 3200000')), "parameters"),
     "config.json not UTF-8": (lambda c: (c / "config.json").write_bytes(b"\xff\xfe{}"), "not UTF-8"),
 }
+
+
+@pytest.mark.parametrize("kind", ["hf", "hf_bin", "nanotron"])
+def test_a_config_declaring_billions_of_layers_is_refused_by_arithmetic(genuine_checkpoints, tmp_path, kind):
+    """`num_hidden_layers: 2147483648`: building even a meta-device model of it took minutes (found by the fuzz,
+    whose alarm the loader had wrapped into a refusal); the layer count is bounded by the weight files' bytes before
+    any module is built (nanotron's checkpoints name their layers' files, and that check comes first)."""
+    ckpt = copy_of(genuine_checkpoints, kind, tmp_path)
+    config = ckpt / ("config.yaml" if kind == "nanotron" else "config.json")
+    text = config.read_text()
+    edited = re.sub(r'("?num_hidden_layers"?:\s*)\d+', r"\g<1>2147483648", text)
+    assert edited != text
+    config.write_text(edited)
+    text = refused(ckpt, LoadOptions(), within_s=20)
+    assert ("do not fit" if kind == "nanotron" else "declares 2,147,483,648 layers") in text, text
 
 
 @pytest.mark.parametrize("name", list(BAD_HF))
@@ -394,17 +415,18 @@ def test_the_command_line_prints_one_line_and_exits_2(genuine_checkpoints, toy_c
 
 # ---- fuzz ---------------------------------------------------------------------------------------------------------
 
-def test_fuzzed_checkpoints_end_in_exit_2_or_load(genuine_checkpoints, toy_checkpoint, tmp_path):
-    """300 seeded mutations of genuine checkpoints (tests/checkpoint_fuzz.py), in a process under an address-space
-    limit: none crashes, hangs, allocates past its limit or changes process state; each is refused in one line or
-    loads. A load with other scores is only possible where the mutation changed bytes the format cannot check
-    (tensor data, a float argument)."""
+@pytest.mark.parametrize("per_kind, seed", [(60, 0), pytest.param(100, 1, marks=pytest.mark.slow)])
+def test_fuzzed_checkpoints_end_in_exit_2_or_load(genuine_checkpoints, toy_checkpoint, tmp_path, per_kind, seed):
+    """Seeded mutations of genuine checkpoints (tests/checkpoint_fuzz.py; `per_kind` of each kind), in a process
+    under an address-space limit: none crashes, hangs, allocates past its limit or changes process state; each is
+    refused in one line or loads. A load with other scores is only possible where the mutation changed bytes the
+    format cannot check (tensor data, a float argument)."""
     from tests.genuine_checkpoints import KINDS
 
     report_path = tmp_path / "report.json"
     done = subprocess.run([sys.executable, "-m", "tests.checkpoint_fuzz", str(genuine_checkpoints["hf"].parent),
-                           str(toy_checkpoint), str(tmp_path / "work"), str(report_path), "--seed", "0",
-                           "--per-kind", "60"], capture_output=True, text=True, timeout=600,
+                           str(toy_checkpoint), str(tmp_path / "work"), str(report_path), "--seed", str(seed),
+                           "--per-kind", str(per_kind)], capture_output=True, text=True, timeout=600,
                           cwd=Path(__file__).resolve().parents[1])
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(report_path.read_text())
@@ -412,7 +434,7 @@ def test_fuzzed_checkpoints_end_in_exit_2_or_load(genuine_checkpoints, toy_check
     bad = [c for c in cases if c["outcome"] not in ("refused", "same", "different")]
     assert not bad, json.dumps(bad[:5], indent=1)
     assert report["state_unchanged"]
-    assert len(cases) == 60 * len(KINDS)
+    assert len(cases) == per_kind * len(KINDS)
     for kind in KINDS:
         outcomes = {c["outcome"] for c in cases if c["kind"] == kind}
         assert "refused" in outcomes and outcomes & {"same", "different"}, (kind, outcomes)

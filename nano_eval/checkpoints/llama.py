@@ -16,6 +16,7 @@ def llama_from_state_dict(config, state: dict[str, torch.Tensor], where: str, po
     weights is refused before anything is allocated."""
     from transformers import LlamaForCausalLM
 
+    check_module_counts(config, sum(t.numel() * t.element_size() for t in state.values()), where)
     try:
         with torch.device("meta"):
             expected = {k: v.shape for k, v in LlamaForCausalLM(config).state_dict().items()}
@@ -49,12 +50,45 @@ def interleaved_to_half_rotary(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.view(heads, d // 2, 2, -1).transpose(1, 2).reshape(w.shape)
 
 
+# config attribute names (transformers' families) of the layer count, the hidden width and the experts per layer
+_LAYERS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers")
+_WIDTH = ("hidden_size", "n_embd", "d_model")
+_EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
+def _count(config, names: tuple[str, ...]) -> int | None:
+    for name in names:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def check_module_counts(config, weight_bytes: int, where: str) -> None:
+    """Refuse, by arithmetic and before any model is built, a config whose layers (times experts) cannot fit in
+    `weight_bytes`: every layer, and every expert in it, holds at least `hidden_size` parameters (a norm, a
+    projection row), each at least one byte on disk. Even a meta-device model costs time and memory per module:
+    `num_hidden_layers: 2147483648` in config.json used to keep the loader building modules for minutes."""
+    for cfg in (config, getattr(config, "text_config", None)):
+        layers = _count(cfg, _LAYERS) if cfg is not None else None
+        if layers is None or layers <= 0:
+            continue
+        width, experts = max(1, _count(cfg, _WIDTH) or 1), max(1, _count(cfg, _EXPERTS) or 1)
+        if layers * experts * width > weight_bytes + (1 << 20):
+            per_layer = f" x {experts:,} experts" if experts > 1 else ""
+            raise NanoEvalError(f"{where}: its configuration declares {layers:,} layers{per_layer} of width "
+                                f"{width:,}, more than its weight files' {weight_bytes:,} bytes can hold. Fix: "
+                                "restore the configuration that matches the weights, or copy the checkpoint again.")
+
+
 def check_config_size(config, weight_bytes: int, where: str, policy: FilePolicy = FilePolicy()) -> int:
     """Refuse a model config that declares more parameters than its weight files have bytes (a parameter takes at
-    least one byte on disk; tied embeddings counted once), or more than the allocation limit. The parameters are
-    counted on a meta-device model: nothing is allocated. Returns the count."""
+    least one byte on disk; tied embeddings counted once), or more than the allocation limit. The layer count is
+    bounded first (check_module_counts), then the parameters are counted on a meta-device model: nothing is
+    allocated. Returns the count."""
     from transformers import AutoModelForCausalLM
 
+    check_module_counts(config, weight_bytes, where)
     try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
