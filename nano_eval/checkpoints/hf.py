@@ -48,11 +48,27 @@ def load_transformers(path: str, *, device: str = "cpu", dtype: str = "float32",
     files = weight_files(folder)
     check_config_size(config, sum(f.stat().st_size for f in files), f"checkpoint {path}", policy)
     if files[0].name.endswith(".safetensors"):
-        model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=getattr(torch, dtype),
-                                                     use_safetensors=True)
+        loaded = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=getattr(torch, dtype),
+                                                      use_safetensors=True, output_loading_info=True)
     else:
-        model = _from_bin(folder, config, files, dtype)
+        loaded = _from_bin(folder, config, files, dtype)
+    model = _every_weight_loaded(*loaded, files[0])
     return TransformersModel(model.to(device), tok, layout=layout, max_length=max_length)
+
+
+def _every_weight_loaded(model, info: dict, weights: Path):
+    """`model`, when transformers filled every parameter from the weight files and found no weight the config has
+    no place for; otherwise a CheckpointFileError. (transformers only warns: a missing weight is left randomly
+    initialised, and a config declaring fewer layers than were saved drops the rest, both with plausible scores.)"""
+    missing, unexpected = sorted(info.get("missing_keys") or ()), sorted(info.get("unexpected_keys") or ())
+    mismatched = [str(k) for k in info.get("mismatched_keys") or ()]
+    if missing or unexpected or mismatched:
+        found = "; ".join(f"{what} {names[:4]}{' ...' if len(names) > 4 else ''}" for what, names in
+                          (("missing", missing), ("unexpected", unexpected), ("other shapes", mismatched)) if names)
+        raise CheckpointFileError(weights, f"does not hold the weights config.json describes ({found})",
+                                  "restore the config.json and weight files of one save, or copy the checkpoint "
+                                  "again")
+    return model
 
 
 def _config(path: str):
@@ -67,7 +83,8 @@ def _config(path: str):
 
 
 def _from_bin(folder: Folder, config, files: list[Path], dtype: str):
-    """The model from pytorch_model.bin shard(s), read by nano_eval's reader (never transformers' torch.load)."""
+    """(model, transformers' loading info) from pytorch_model.bin shard(s), read by nano_eval's reader (never
+    transformers' torch.load)."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     state: dict = {}
@@ -85,10 +102,11 @@ def _from_bin(folder: Folder, config, files: list[Path], dtype: str):
         raise CheckpointFileError(files[0], f"holds weights of other shapes than config.json says: {wrong[:3]}",
                                   "restore the config.json that matches the weights, or copy the checkpoint again")
     model_class = AutoModelForCausalLM._model_mapping[type(config)]
-    model = model_class.from_pretrained(None, config=config, state_dict=state, dtype=getattr(torch, dtype))
+    model, info = model_class.from_pretrained(None, config=config, state_dict=state, dtype=getattr(torch, dtype),
+                                              output_loading_info=True)
     if folder.has("generation_config.json"):
         model.generation_config = GenerationConfig.from_pretrained(str(folder.root))
-    return model
+    return model, info
 
 
 def weight_files(folder: Folder) -> list[Path]:

@@ -65,14 +65,17 @@ def _count(config, names: tuple[str, ...]) -> int | None:
 
 
 def check_module_counts(config, weight_bytes: int, where: str) -> None:
-    """Refuse, by arithmetic and before any model is built, a config whose layers (times experts) cannot fit in
-    `weight_bytes`: every layer, and every expert in it, holds at least `hidden_size` parameters (a norm, a
-    projection row), each at least one byte on disk. Even a meta-device model costs time and memory per module:
+    """Refuse, by arithmetic and before any model is built, a config with no layers, or whose layers (times experts)
+    cannot fit in `weight_bytes`: every layer, and every expert in it, holds at least `hidden_size` parameters (a
+    norm, a projection row), each at least one byte on disk. Even a meta-device model costs time and memory per module:
     `num_hidden_layers: 2147483648` in config.json used to keep the loader building modules for minutes."""
     for cfg in (config, getattr(config, "text_config", None)):
         layers = _count(cfg, _LAYERS) if cfg is not None else None
-        if layers is None or layers <= 0:
+        if layers is None:
             continue
+        if layers <= 0:
+            raise NanoEvalError(f"{where}: its configuration declares {layers} layers. Fix: restore the "
+                                "configuration that matches the weights, or copy the checkpoint again.")
         width, experts = max(1, _count(cfg, _WIDTH) or 1), max(1, _count(cfg, _EXPERTS) or 1)
         if layers * experts * width > weight_bytes + (1 << 20):
             per_layer = f" x {experts:,} experts" if experts > 1 else ""

@@ -28,10 +28,12 @@ YAML_NODES = 1_000_000  # nodes of a YAML document once its aliases are expanded
 
 
 class CheckpointFileError(NanoEvalError):
-    """A checkpoint or tokenizer file that cannot be loaded safely: `<file>: <what>. Fix: ...` (exit code 2)."""
+    """A checkpoint or tokenizer file that cannot be loaded safely: `<file>: <what>. Fix: ...` on one line (a
+    parser's multi-line message is folded), exit code 2."""
 
     def __init__(self, path: str | Path, what: str, fix: str = "copy the checkpoint again from the run that saved "
                  "it, or from a source you trust"):
+        what = " ".join(str(what).split())
         super().__init__(f"{path}: {what}. Fix: {fix}.")
         self.path, self.what, self.fix = str(path), what, fix
 
