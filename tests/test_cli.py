@@ -119,6 +119,7 @@ def test_a_closed_pipe_never_stops_a_run(tmp_path, toy_checkpoint):
 
 # ---- entry points --------------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_every_entry_point_gives_the_same_results(tmp_path, toy_checkpoint):
     """`python nano_eval/run.py`, `torchrun nano_eval/run.py` and the `nano_eval` console script (when installed)."""
     args = ["--checkpoint", str(toy_checkpoint), "--tasks", TASKS, "--max-samples", "3", "--output-dir"]
@@ -161,6 +162,7 @@ def test_run_py_takes_its_own_folder_off_sys_path(tmp_path):
     assert all(os.path.realpath(p or os.curdir) != here for p in json.loads(record.read_text()))
 
 
+@pytest.mark.slow
 def test_run_py_sweep_writes_an_offline_wandb_run(tmp_path, toy_checkpoint):
     """The script entry point with W&B: `requests` must be the installed package (W&B needs requests.Session)."""
     pytest.importorskip("wandb")

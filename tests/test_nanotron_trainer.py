@@ -170,7 +170,8 @@ def test_evaluates_at_interval_and_on_save_into_nanotrons_wandb_run(tp2):
     check_evaluations_and_wandb_rows(tp2)
 
 
-@pytest.mark.parametrize("native", [False, True], ids=["hf_conversion", "backend_nanotron"])
+@pytest.mark.parametrize("native", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["hf_conversion", "backend_nanotron"])
 def test_live_scores_at_step_k_equal_run_py_on_the_step_k_checkpoint(tp2, native):
     live, saved = live_and_posthoc(tp2, native)
     worst = check_live_equals_posthoc(live, saved, rel=1e-6)

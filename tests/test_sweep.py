@@ -368,6 +368,7 @@ def test_unfinished_checkpoint_is_skipped_with_a_warning_and_empty_dir_is_an_err
     assert not (tmp_path / "o" / "checkpoint-16").exists()
 
 
+@pytest.mark.slow
 def test_nanotron_run_dir_sweeps_like_each_checkpoint_alone(tmp_path):
     """A run directory written by nanotron's own save functions: steps in numeric order, consumed tokens from
     checkpoint_metadata.json x config.yaml's sequence length, scores equal to `--checkpoint RUN/<step>` alone."""
@@ -437,6 +438,7 @@ def _sweep_memory(tmp_path: Path, n: int, device: str = "cpu") -> tuple[list[flo
     return rss, alive, model_mib
 
 
+@pytest.mark.slow
 def test_memory_is_freed_between_checkpoints(tmp_path):
     rss, alive, model_mib = _sweep_memory(tmp_path, 8)
     assert alive == [0] * 8  # no model object outlives its checkpoint

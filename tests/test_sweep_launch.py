@@ -62,6 +62,7 @@ def _wait(predicate, timeout: float, what: str):
     return value
 
 
+@pytest.mark.slow
 def test_local_launcher_equals_sequential_survives_a_killed_job_and_reruns_idempotently(sequential, tmp_path,
                                                                                         capsys, monkeypatch):
     run, reference = sequential
@@ -296,6 +297,7 @@ def _reuse_seen_by(rank, world, folders):
     return _already_done(Path(folders[rank]) / "results.json", "identity-1")
 
 
+@pytest.mark.slow
 def test_a_jobs_ranks_take_rank_0s_reuse_decision(tmp_path):
     """Rank 0 reads the file system and broadcasts; a rank that sees another file (a lagging shared file system)
     does not decide alone (it would skip a checkpoint the others evaluate, and they would wait on it)."""
@@ -310,6 +312,7 @@ def test_a_jobs_ranks_take_rank_0s_reuse_decision(tmp_path):
 
 # ---- a driver that dies while submitting ---------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_checkpoints_are_recorded_before_their_jobs_are_submitted(sequential, tmp_path, capsys, monkeypatch):
     """The driver dies inside the submission (here: submitit's own submit raises): running.json already names the
     checkpoints it was submitting, and the restarted driver says so, then scores them once."""

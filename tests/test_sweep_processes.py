@@ -113,6 +113,7 @@ def test_watch_picks_up_a_checkpoint_written_after_it_started(full, tmp_path):
         if line.startswith(("checkpoint,", "checkpoint-8,", "checkpoint-16,")))
 
 
+@pytest.mark.slow
 def test_watch_stops_cleanly_on_sigterm(full, tmp_path):
     run, _ = full
     watched, out, log = tmp_path / "run", tmp_path / "out", tmp_path / "log.txt"
@@ -131,6 +132,7 @@ def test_watch_stops_cleanly_on_sigterm(full, tmp_path):
     assert (out / "report" / "index.html").exists()
 
 
+@pytest.mark.slow
 def test_two_data_parallel_ranks_sweep_like_one(full, tmp_path):
     run, reference = full
     out = tmp_path / "two"

@@ -428,6 +428,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.slow
 def test_tasks_load_in_threads_under_torchrun(tmp_path):
     """Several Arrow tasks loaded in threads under torchrun: datasets' thread_map used to race on tqdm's lock
     (AttributeError '_lock' on rank 0, every time here) until the loader creates the lock before its threads."""
