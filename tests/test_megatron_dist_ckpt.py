@@ -219,3 +219,17 @@ def test_loading_again_in_another_layout_leaves_no_process_group_behind():
         assert set(_process_groups()) == {dist.GroupMember.WORLD, trainers}  # before: 17 more per layout
     finally:
         dist.destroy_process_group()
+
+
+def test_weights_the_model_has_no_place_for_are_refused(tmp_path):
+    """A legacy shard holding a layer its args do not declare (args edited to fewer layers, say) would load the
+    others and score without it; `_fill` names the extra weight instead. Extra state may come or go."""
+    from nano_eval.checkpoints.megatron_native import _fill
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    state = dict(model.state_dict()) | {"0._extra_state": torch.zeros(1)}
+    _fill(model, state, tmp_path / "model_optim_rng.pt")
+    with pytest.raises(NanoEvalError, match=r"unexpected \['1.weight'\]"):
+        _fill(model, state | {"1.weight": torch.zeros(2, 2)}, tmp_path / "model_optim_rng.pt")
+    with pytest.raises(NanoEvalError, match=r"missing \['0.bias'\]"):
+        _fill(model, {"0.weight": torch.zeros(2, 2)}, tmp_path / "model_optim_rng.pt")

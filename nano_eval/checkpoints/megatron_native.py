@@ -108,16 +108,19 @@ def _load_legacy(files: dict, dtype: torch.dtype, policy: FilePolicy):
 
 
 def _fill(model, state: dict, where: Path) -> None:
-    """Copy `state` into the model; every weight must be there with its shape (extra state may be absent)."""
+    """Copy `state` into the model; every weight must be there with its shape, and no other weight (extra state may
+    be absent): args declaring fewer layers than were saved would otherwise drop the rest and still score."""
     expected = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
-    tensors = {k: v for k, v in state.items() if isinstance(k, str) and isinstance(v, torch.Tensor)}
+    tensors = {k: v for k, v in state.items() if isinstance(k, str) and isinstance(v, torch.Tensor)
+               and not k.endswith("_extra_state")}
     missing = [k for k in expected if k not in tensors]
+    unexpected = [k for k in tensors if k not in expected]
     wrong = [f"{k} {tuple(tensors[k].shape)} (model: {tuple(v.shape)})" for k, v in expected.items()
              if k in tensors and tensors[k].shape != v.shape]
-    if missing or wrong:
-        raise CheckpointFileError(where, f"does not fit the model its args describe (missing {missing[:4]}, wrong "
-                                  f"shapes {wrong[:3]})", "check that --tp / --pp / --ep and the checkpoint's args "
-                                  "match the saved weights")
+    if missing or unexpected or wrong:
+        raise CheckpointFileError(where, f"does not fit the model its args describe (missing {missing[:4]}, "
+                                  f"unexpected {unexpected[:4]}, wrong shapes {wrong[:3]})", "check that --tp / --pp "
+                                  "/ --ep and the checkpoint's args match the saved weights")
     with torch.no_grad():
         for k, v in expected.items():
             v.copy_(tensors[k])
