@@ -63,7 +63,10 @@ class Engine:
         self.tokens = Tokenization.of(backend.tokenizer, add_bos_token, generation_config)
         tok = backend.tokenizer
         eos = tok.eos_token_id
+        self.vocab_size = getattr(backend, "vocab_size", None)
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else (eos or 0)
+        if self.vocab_size and self.pad_id >= self.vocab_size:  # a pad token added to the tokenizer, not the model:
+            self.pad_id = eos if eos is not None and eos < self.vocab_size else 0  # padding is masked; any id works
         # the model's forward holds collectives across DP ranks (MoE under expert parallelism): nano_eval.lockstep
         self.lockstep = bool(getattr(backend, "lockstep", False)) and self.layout.dp_size > 1
 
@@ -71,8 +74,19 @@ class Engine:
         """(context tokens, continuation tokens) of a loglikelihood request (Tokenization.pair)."""
         return self.tokens.pair(context, continuation)
 
+    def _check_ids(self, tokens: list[int], what: str) -> None:
+        """Refuse token ids the model has no embedding row for (an added token, another model's tokenizer): on a GPU
+        the lookup would end in a device-side assert that takes the process down, training run included."""
+        if self.vocab_size and tokens and max(tokens) >= self.vocab_size:
+            raise NanoEvalError(
+                f"{what}: token id {max(tokens)} is past the model's {self.vocab_size} embedding rows, so the "
+                "tokenizer is not the one the model was trained with (or it has added tokens the model lacks). Fix: "
+                "use the model's own tokenizer (--tokenizer on the command line)."
+            )
+
     def _fit(self, key: Any, context: list[int], continuation: list[int], what: str) -> Row:
         """The row scoring `continuation`, its context cut on the left to fit the model's context length."""
+        self._check_ids(context + continuation, what)
         limit = self.backend.max_length + 1  # the model sees all tokens but the last
         if len(continuation) >= limit:
             raise NanoEvalError(
@@ -123,6 +137,7 @@ class Engine:
                     )
                 ids.append(cont[0])
             r.tokenized_context, r.tokenized_continuation = ctx, ids
+            self._check_ids(ids, f"task {r.task_name}, document {r.sample_index}")
             fitted = self._fit(r.key, ctx, ids[:1], f"task {r.task_name}, document {r.sample_index}").segments[0]
             cut = fitted.choices[0].truncated
             rows.append(Row([Segment(fitted.context, [Choice(r.key, [i], cut, slot=j) for j, i in enumerate(ids)])]))
@@ -133,6 +148,7 @@ class Engine:
         rows = []
         for r in requests:
             tokens = self.tokens.context(r.context)
+            self._check_ids(tokens, f"task {r.task_name}, document {r.sample_index}")
             r.tokenized_context = tokens
             for w, (ctx, cont) in enumerate(rolling_windows(tokens, self.tokens.prefix_id, self.backend.max_length)):
                 rows.append(plain_row((r.key, w), ctx, cont))
@@ -150,6 +166,7 @@ class Engine:
                     f"length {self.backend.max_length}. Fix: lower the task's generation_size."
                 )
             tokens = self.tokens.prompt(r.context)
+            self._check_ids(tokens, f"task {r.task_name}, document {r.sample_index}")
             r.tokenized_context = tokens
             truncated = max(0, len(tokens) - room)
             generation = Generation(max_new, tuple(r.stop_sequence or ()))

@@ -140,3 +140,43 @@ def test_continuation_longer_than_model_is_a_clear_error(toy_backend):
     r = LoglikelihoodRequest("mytask", 3, 0, "x", choice=" one two" * 300)
     with pytest.raises(NanoEvalError, match="mytask.*document 3.*--max-length"):
         engine.prepare_loglikelihood([r])
+
+
+def _with_added_tokens(toy_backend, toy_checkpoint, **special):
+    """The toy model with its own tokenizer, to which tokens the model has no embedding rows for were added."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(toy_checkpoint))
+    tokenizer.add_tokens(["zzqnewword"])
+    tokenizer.add_special_tokens(special)
+    backend = TransformersModel(toy_backend.model, tokenizer, max_length=toy_backend.max_length)
+    assert len(tokenizer) > backend.vocab_size == toy_backend.model.get_input_embeddings().num_embeddings
+    return backend
+
+
+def test_a_token_the_model_has_no_row_for_is_refused_before_any_forward(toy_backend, toy_checkpoint):
+    """Another model's tokenizer, or tokens added to this one: the embedding lookup would fail mid-run (on a GPU: a
+    device-side assert that ends the process); every request kind names the task and document instead."""
+    engine = Engine(_with_added_tokens(toy_backend, toy_checkpoint), progress=False)
+    for prepare, request in [
+        (engine.prepare_loglikelihood, LoglikelihoodRequest("t", 3, 0, "Question: zzqnewword?", choice=" yes")),
+        (engine.prepare_loglikelihood, LoglikelihoodRequest("t", 3, 0, "Question:", choice=" zzqnewword")),
+        (engine.prepare_single_token, LoglikelihoodSingleTokenRequest("t", 3, 0, "Q:", choices=[" a", "zzqnewword"])),
+        (engine.prepare_rolling, LoglikelihoodRollingRequest("t", 3, 0, "one zzqnewword two")),
+        (engine.prepare_greedy, GreedyUntilRequest("t", 3, 0, "zzqnewword", stop_sequence=[], generation_size=4)),
+    ]:
+        with pytest.raises(NanoEvalError, match=r"task t, document 3: token id \d+ is past the model's \d+ embedding"):
+            prepare([request])
+
+
+def test_a_pad_token_past_the_models_rows_is_replaced(toy_backend, toy_checkpoint):
+    """A pad token added to the tokenizer only (a common fix for tokenizers without one): padding is masked, so any
+    id the model has a row for pads equally well, and scores equal those of the tokenizer without it."""
+    backend = _with_added_tokens(toy_backend, toy_checkpoint, pad_token="<zzqpad>")
+    assert backend.tokenizer.pad_token_id >= backend.vocab_size
+    engine = Engine(backend, BatchingConfig(max_batch_tokens=64), progress=False)
+    assert engine.pad_id < backend.vocab_size
+    reference = Engine(toy_backend, BatchingConfig(max_batch_tokens=64), progress=False)
+    got, expected = (e.run_loglikelihood(e.prepare_loglikelihood(_requests())) for e in (engine, reference))
+    assert {k: r.logprob for k, r in got.items()} == pytest.approx({k: r.logprob for k, r in expected.items()},
+                                                                   abs=1e-6)

@@ -56,6 +56,8 @@ class Backend(Protocol):
     tokenizer: Any
     max_length: int  # longest input the model accepts
     module: torch.nn.Module  # the model object; put in eval mode during scoring and restored afterwards
+    # Optional: vocab_size, the model's embedding rows (the full vocabulary, also under TP). Token ids at or past it
+    # are refused before any forward, and a pad id past it is replaced; absent or None: not checked.
 
     def forward(self, batch: Batch) -> torch.Tensor | None:
         """Logits [N, V/tp] at (batch.rows, batch.cols), any float dtype, on the output pipeline stage; None elsewhere.

@@ -66,6 +66,7 @@ class MegatronModel:
                 "logits. Fix: build GPTModel(..., parallel_output=True) (Megatron's default)."
             )
         self.config = getattr(inner, "config", None)
+        self.vocab_size = getattr(inner, "vocab_size", None)  # GPTModel's: the padded full vocabulary
         self.seq_multiple = self.layout.tp_size if getattr(self.config, "sequence_parallel", False) else 1
         self.scoring = ScoringState(self.chunks)
         self.layout = dataclasses.replace(self.layout, moe_routing=self.scoring.routing)

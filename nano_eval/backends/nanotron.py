@@ -61,6 +61,7 @@ class NanotronModel:
         self.module = model
         self.forward_module = getattr(model, "model", model)  # LlamaForTraining wraps LlamaModel (+ loss)
         self.tokenizer, self.max_length = tokenizer, max_length
+        self.vocab_size = getattr(getattr(self.forward_module, "config", None), "vocab_size", None)
         self.device = torch.device(device)
         first, last = _stage_ranks(self.forward_module)
         sequence_parallel = getattr(getattr(self.forward_module, "tp_mode", None), "name", "") == "REDUCE_SCATTER"

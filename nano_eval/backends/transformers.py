@@ -38,6 +38,7 @@ class TransformersModel:
         self.tokenizer = tokenizer
         self.layout = layout or ParallelLayout.data_parallel()
         self.max_length = max_length or _model_max_length(model, tokenizer)
+        self.vocab_size = getattr(model.get_input_embeddings(), "num_embeddings", None)
         self.device = next(model.parameters()).device
         self._head_only_on_scored = _can_split_head(model)
         self._attn = getattr(model.config, "_attn_implementation", None)
