@@ -453,3 +453,17 @@ def test_fuzzed_checkpoints_end_in_exit_2_or_load(genuine_checkpoints, toy_check
         outcomes = {c["outcome"] for c in cases if c["kind"] == kind}
         assert "refused" in outcomes and outcomes & {"same", "different"}, (kind, outcomes)
     assert not [c for c in cases if c["outcome"] == "different" and c["mutation"].startswith("truncate")]
+
+
+def test_a_declared_bytearray_length_is_checked_before_allocating():
+    """BYTEARRAY8 (protocol 5): Python's unpickler allocates the declared length before reading, so one flipped
+    length byte in a shard's data.pkl asked for up to 2**63 bytes (found by the fuzz as a MemoryError under its
+    address-space limit; without one, gigabytes). The length is checked against the pickle's own size first."""
+    import struct
+
+    from nano_eval.checkpoints.pickles import TENSORS, unpickle
+
+    assert unpickle(b"\x80\x05\x96" + struct.pack("<Q", 3) + b"abc.", TENSORS, "x.pt") == bytearray(b"abc")
+    with pytest.raises(NanoEvalError, match=r"x.pt: refused to load \(UnpicklingError: BYTEARRAY8 declares "
+                                            r"1,099,511,627,776 bytes, more than the 15 bytes"):
+        unpickle(b"\x80\x05\x96" + struct.pack("<Q", 1 << 40) + b"abc.", TENSORS, "x.pt")

@@ -25,6 +25,7 @@ import argparse
 import io
 import pickle
 import re
+import struct
 from collections import OrderedDict
 from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path, PurePosixPath
@@ -227,6 +228,7 @@ class _Unpickler(pickle._Unpickler):
 
     def __init__(self, file, allowed: Allowed, storage: Callable | None = None):
         super().__init__(file, encoding="latin1")
+        self._input_size = len(file.getbuffer())  # an io.BytesIO of the whole pickle
         self.allowed = allowed
         self.callable_ids = {id(v) for v in allowed.real.values()}
         self.storage = storage
@@ -339,6 +341,16 @@ class _Unpickler(pickle._Unpickler):
         items = self.pop_mark()
         self._target(set).update(items)
     dispatch[pickle.ADDITEMS[0]] = load_additems
+
+    def load_bytearray8(self):
+        """BYTEARRAY8 with its length checked first: Python's own allocates the declared length (up to 2**63 bytes)
+        before reading, so one flipped byte asked for gigabytes."""
+        (size,) = struct.unpack("<Q", self.read(8))
+        if size > self._input_size:
+            raise pickle.UnpicklingError(f"BYTEARRAY8 declares {size:,} bytes, more than the {self._input_size:,} "
+                                         "bytes of the whole pickle")
+        self.append(bytearray(self.read(size)))
+    dispatch[pickle.BYTEARRAY8[0]] = load_bytearray8
 
     def _target(self, kind: type):
         target = self.stack[-1]
