@@ -31,6 +31,9 @@ def _entry(rank, world, port, fn, args, queue, pg_timeout_s):
         dist.destroy_process_group()
 
 
+ERROR_GRACE_S = 30  # after a rank fails, how long its peers get to finish before they are killed
+
+
 def run_distributed(fn, world: int, *args, timeout: float = 120, pg_timeout_s: float = 300) -> list:
     """fn(rank, world, *args) on `world` processes; returns the per-rank results in rank order.
 
@@ -47,11 +50,17 @@ def run_distributed(fn, world: int, *args, timeout: float = 120, pg_timeout_s: f
         try:
             rank, out = queue.get(timeout=1.0)
             results[rank] = out
+            if out[0] == "error":  # its peers may now wait on it in a collective: give them ERROR_GRACE_S to end
+                deadline = min(deadline, time.monotonic() + ERROR_GRACE_S)
         except queue_module.Empty:
             dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in results]
             if dead or time.monotonic() > deadline:
                 for p in procs:
                     p.kill()
+                    p.join(timeout=10)
+                errors = [f"rank {r}:\n{out}" for r, (status, out) in sorted(results.items()) if status == "error"]
+                if errors:
+                    raise RuntimeError("\n".join([*errors, "(the other ranks, waiting on it, were killed)"]))
                 raise RuntimeError(f"ranks {dead or 'all'} died or timed out after {timeout}s without a result")
     for p in procs:
         p.join(timeout=timeout)
