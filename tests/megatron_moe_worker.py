@@ -20,7 +20,8 @@ CAPACITY = 1.0  # a common training setting: tokens past an expert's capacity ar
 # name: (tp, pp, ep, cp) in a world of 4; dp = 4 / (tp x pp) counts the CP ranks
 LAYOUTS = {"ep2": (1, 1, 2, 1), "tp2xep2": (2, 1, 2, 1), "pp2xep2": (1, 2, 2, 1), "cp2xep2": (1, 1, 2, 2),
            "pp2xcp2": (1, 2, 1, 2)}
-DEFAULT = (("tp2xep2", "alltoall"),)  # the default suite's layout x dispatcher; the rest: slow_moe_checks
+# the default suite's layout x dispatcher pairs (EP with TP; CP folded into DP); the rest: slow_moe_checks
+DEFAULT = (("tp2xep2", "alltoall"), ("cp2xep2", "alltoall"))
 SLOW_TASKS = TASKS + ",demo|arithmetic_ppl|0"
 # generation: 7 prompts of mixed lengths, two generation sizes (a batch holds one), a token budget of ~3 rows
 GEN_PROMPTS = [f"Question: {i} plus {5 * i}\nAnswer:" + " so" * (i % 4) for i in range(7)]
@@ -219,8 +220,9 @@ def layout_scores(tokenizer_dir, name: str, dispatcher: str, tasks: str = TASKS)
 
 def moe_checks(tokenizer_dir, root) -> dict:
     """The default suite's MoE stages, run inside tests/megatron_worker.py's world of 4 (the `megatron_world`
-    fixture: one spawn for every Megatron test): the ep1 dropless reference; tp2 x ep2 (alltoall) with a capacity
-    factor; the restore checks; an ep2 torch_dist save, loaded at ep1 by `--backend megatron`."""
+    fixture: one spawn for every Megatron test): the ep1 dropless reference; tp2 x ep2 and cp2 x ep2 (CP emulated),
+    alltoall with a capacity factor; the restore checks; an ep2 torch_dist save, loaded at ep1 by `--backend
+    megatron`."""
     from tests.megatron_worker import _timed
 
     stages = [("reference", lambda: score(moe_backend(tokenizer_dir)))]

@@ -6,9 +6,9 @@ training capacity factor of 1.0 (token dropping; the alltoall dispatcher also pa
 documents in small batches, so data-parallel ranks get different numbers of batches and generation steps: without
 lockstep a rank would wait in its extra forward's MoE all-to-all until the process group's timeout, and with the
 capacity factor a row's log-probs move by up to 1.5 with the rest of its batch. The default suite's stages (tp2 x ep2
-with the alltoall dispatcher, the restore checks, `--backend megatron` at ep1) run in the `megatron_world`
+and cp2 x ep2 with the alltoall dispatcher, the restore checks, `--backend megatron` at ep1) run in the `megatron_world`
 fixture's processes (tests/megatron_moe_worker.py: moe_checks); the slow set's run in `megatron_slow_world`
-(slow_moe_checks: every other layout x dispatcher, CP emulated, the rolling-window task, `--backend megatron` at
+(slow_moe_checks: every other layout x dispatcher, the rolling-window task, `--backend megatron` at
 tp2 x ep2, training runs with the hook).
 """
 
