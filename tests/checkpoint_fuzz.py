@@ -238,6 +238,8 @@ def run(genuine_root: Path, tokenizer_dir: Path, work: Path, seed: int, per_kind
 def _load(load_backend, error_type, path: str, options, reference) -> tuple[str, str]:
     """The case's outcome and message. A case the alarm interrupted is a timeout however it ended: the loader may
     wrap the alarm's exception in a one-line refusal of its own."""
+    global _alarm_fired
+    _alarm_fired = False
     outcome, message = _load_once(load_backend, error_type, path, options, reference)
     return ("timeout", message) if _alarm_fired else (outcome, message)
 
@@ -245,8 +247,6 @@ def _load(load_backend, error_type, path: str, options, reference) -> tuple[str,
 def _load_once(load_backend, error_type, path: str, options, reference) -> tuple[str, str]:
     import torch
 
-    global _alarm_fired
-    _alarm_fired = False
     signal.alarm(CASE_ALARM_S)
     try:
         backend = load_backend(path, options)

@@ -58,16 +58,19 @@ def run_distributed(fn, world: int, *args, timeout: float = 120, pg_timeout_s: f
                 for p in procs:
                     p.kill()
                     p.join(timeout=10)
-                errors = [f"rank {r}:\n{out}" for r, (status, out) in sorted(results.items()) if status == "error"]
-                if errors:
-                    raise RuntimeError("\n".join([*errors, "(the other ranks, waiting on it, were killed)"]))
+                if _errors(results):
+                    raise RuntimeError("\n".join([*_errors(results), "(the other ranks, waiting on it, were killed)"]))
                 raise RuntimeError(f"ranks {dead or 'all'} died or timed out after {timeout}s without a result")
     for p in procs:
         p.join(timeout=timeout)
-    errors = [f"rank {r}:\n{out}" for r, (status, out) in sorted(results.items()) if status == "error"]
-    if errors:
-        raise RuntimeError("\n".join(errors))
+    if _errors(results):
+        raise RuntimeError("\n".join(_errors(results)))
     return [pickle.loads(results[r][1]) for r in range(world)]
+
+
+def _errors(results: dict) -> list[str]:
+    """"rank R:\n<traceback>" of every rank that reported an error, in rank order."""
+    return [f"rank {r}:\n{out}" for r, (status, out) in sorted(results.items()) if status == "error"]
 
 
 def _nccl_entry(rank, world, port, fn, args, queue):

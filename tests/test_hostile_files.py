@@ -380,8 +380,8 @@ BAD_HF = {
     "recursion-deep config.json": (lambda c: (c / "config.json").write_text("[" * 100_000 + "]" * 100_000),
                                    "deeper"),
     "config.json is a list": (lambda c: (c / "config.json").write_text("[1, 2]"), "not an object"),
-    "config declares a huge model": (lambda c: (c / "config.json").write_text(
-        (c / "config.json").read_text().replace('"intermediate_size": 64', '"intermediate_size": 3200000')), "parameters"),
+    "config declares a huge model": (lambda c: (c / "config.json").write_text((c / "config.json").read_text().replace(
+        '"intermediate_size": 64', '"intermediate_size": 3200000')), "parameters"),
     "config.json not UTF-8": (lambda c: (c / "config.json").write_bytes(b"\xff\xfe{}"), "not UTF-8"),
     # transformers only warns: the missing weight would stay randomly initialised, the other be dropped
     "a weight missing, another unexpected": (_drop_a_weight_add_another,

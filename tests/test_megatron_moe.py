@@ -50,9 +50,14 @@ def stages_of(request, stage: str) -> dict:
     return request.getfixturevalue("moe" if tuple(stage.split("/")) in DEFAULT else "moe_world")
 
 
-# every layout x dispatcher; those outside DEFAULT run in the slow set's world
-ALL_STAGES = [pytest.param(f"{name}/{d}", marks=() if (name, d) in DEFAULT else pytest.mark.slow)
-              for name in LAYOUTS for d in ("alltoall", "allgather")]
+def _stage_params(names) -> list:
+    """"layout/dispatcher" of `names` x both dispatchers; those outside DEFAULT run in the slow set's world."""
+    return [pytest.param(f"{name}/{d}", marks=() if (name, d) in DEFAULT else pytest.mark.slow)
+            for name in names for d in ("alltoall", "allgather")]
+
+
+ALL_STAGES = _stage_params(LAYOUTS)
+EP_STAGES = _stage_params(name for name, (_, _, ep, _) in LAYOUTS.items() if ep > 1)
 
 
 def _expected_layout(name: str) -> dict:
@@ -95,7 +100,7 @@ def test_reference_is_dense_path(moe):
     assert ref["layout"] == {"world_size": 4, "dp": 4, "tp": 1, "pp": 1, "moe_routing": "dropless"}
 
 
-@pytest.mark.parametrize("stage", [p for p in ALL_STAGES if LAYOUTS[p.values[0].split("/")[0]][2] > 1])
+@pytest.mark.parametrize("stage", EP_STAGES)
 def test_lockstep_runs_dummy_batches_on_uneven_shards(request, stage):
     """Every rank runs the same number of forwards (scoring, prefill, decoding steps); where a rank had fewer
     scoring batches than its data-parallel peers it ran dummy ones (every layout with EP). Prints the cost."""
