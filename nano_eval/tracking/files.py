@@ -1,9 +1,10 @@
 """Result files: written atomically so a crash or a kill never leaves a half-written file behind.
 
-`atomic_write_bytes` is the one atomic write of nano_eval (results, details, sweep tables and reports): a temporary
-file with a unique name in the target folder, fsynced, given the permissions the process umask allows (as a plain
-`open` would), then renamed over the target. `safe_file_name` is the one filename sanitiser: names built from task
-keys or metric names never leave the folder they are meant for.
+`atomic_write_bytes` (from `nano_eval.local_files`, the rule for every file outside a checkpoint) is the one atomic
+write of nano_eval (results, details, sweep tables and reports): a temporary file with a unique name in the real
+target folder, fsynced, given the permissions the process umask allows (as a plain `open` would), then renamed over
+the target. `safe_file_name` is the one filename sanitiser: names built from task keys or metric names never leave
+the folder they are meant for.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import os
 import tempfile
 from pathlib import Path
 from typing import Any, Iterable
+
+from nano_eval.local_files import atomic_write_bytes, current_umask  # noqa: F401  (the one atomic write)
 
 SCHEMA_VERSION = 1
 
@@ -38,37 +41,6 @@ def _clean(value: Any) -> Any:
     if isinstance(value, list):
         return [_clean(v) for v in value]
     return value
-
-
-def current_umask() -> int:
-    """The process umask, read without changing it where Linux allows (/proc), else set and restored at once."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write to a uniquely named temporary file in the same folder, fsync, chmod to 0o666 & ~umask (mkstemp
-    creates 0600), then rename over `path`: readers see the old file or the new one, never a part."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~current_umask())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def atomic_write_text(path: Path, text: str) -> None:
