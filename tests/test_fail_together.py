@@ -184,3 +184,76 @@ def test_cli_fault_on_one_rank_ends_both_ranks_with_one_line(toy_checkpoint, tmp
                      "(injected). Fix: nothing, it is a test"], texts
     assert not (tmp_path / "out" / "results.json").exists()
     assert abs(ended[0] - ended[1]) < FAST_S, ended  # rank 0 did not wait out the 60 s timeout
+
+
+def _moe_world(rank, world, tokenizer_dir, out):
+    """megatron-core's MoE GPTModel at ep2 (dp2, alltoall, capacity factor: lockstep): rank 1 fails while
+    detokenising mid-generation (fail_soft True and False) and while scoring; then a training-mode forward (the
+    experts' all-to-all) gives bitwise what it gave before, and a clean evaluation agrees on both ranks."""
+    import torch
+    import torch.distributed as dist
+
+    import nano_eval.engine as engine
+    from nano_eval.training.config import EvalHookConfig
+    from nano_eval.training.hook import EvalHook, EvalHookError
+    from tests.megatron_moe_worker import CAPACITY, moe_backend
+
+    backend = moe_backend(tokenizer_dir, ep=2, capacity=CAPACITY, pad_to_capacity=True)
+    model = backend.chunks[0]
+    ids = torch.randint(0, 544, (2, 16), generator=torch.Generator().manual_seed(7))
+
+    def training_forward():
+        model.train()
+        with torch.enable_grad():
+            out = model(ids, torch.arange(16).expand(2, 16), None).detach().clone()
+        total = out.sum().reshape(1)
+        dist.all_reduce(total)
+        return out, float(total)
+
+    before = training_forward()
+    hooks = {soft: EvalHook(EvalHookConfig(tasks=TASKS, max_samples=7, batch_tokens=32, fail_soft=soft,
+                                           output_dir=f"{out}/moe_{soft}", wandb=False, progress=False), backend)
+             for soft in (True, False)}
+    faults = {
+        "decode": lambda: _Fault(backend.tokenizer, "decode", 1, RuntimeError("injected decode failure"), after=5),
+        "scoring": lambda: _Fault(engine, "split_scores", 1, ValueError("injected scoring failure"), after=2),
+    }
+    seen = {"lockstep": backend.lockstep}
+    for step, (where, soft) in enumerate(MOE_CASES, start=1):
+        fault = faults[where]()
+        start = time.perf_counter()
+        try:
+            outcome = "none" if hooks[soft](step) is None else "results"
+        except EvalHookError as e:
+            outcome = f"raised: {e}"
+        finally:
+            fault.undo()
+        seen[(where, soft)] = (outcome, time.perf_counter() - start, fault.calls)
+    clean = hooks[True](len(MOE_CASES) + 1)
+    seen["clean"] = {k: tr.metrics for k, tr in clean.tasks.items()}
+    after = training_forward()
+    seen["training_forward_bitwise"] = torch.equal(before[0], after[0])
+    seen["all_reduced"] = (before[1], after[1])
+    return seen
+
+
+MOE_CASES = [("decode", True), ("decode", False), ("scoring", True)]
+
+
+@pytest.mark.slow
+def test_moe_ep2_faults_on_one_rank_end_every_rank_together(toy_checkpoint, tmp_path):
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e '.[megatron]')")
+    per_rank = run_distributed(_moe_world, 2, str(toy_checkpoint), str(tmp_path), timeout=900,
+                               pg_timeout_s=PG_TIMEOUT_S)
+    messages = {"decode": "RuntimeError: injected decode failure", "scoring": "ValueError: injected scoring failure"}
+    for rank, seen in enumerate(per_rank):
+        assert seen["lockstep"]
+        for step, case in enumerate(MOE_CASES, start=1):
+            outcome, took, calls = seen[case]
+            if rank == 1:
+                assert calls >= (5 if case[0] == "decode" else 2), (case, calls)  # the fault came mid-run
+            expected = "none" if case[1] else f"raised: evaluation at step {step} failed on rank 1: {messages[case[0]]}"
+            assert outcome == expected, (rank, case)
+            assert took < FAST_S, (rank, case, took)
+        assert seen["training_forward_bitwise"] and seen["all_reduced"][0] == seen["all_reduced"][1]
+    assert per_rank[0]["clean"] == per_rank[1]["clean"] and len(per_rank[0]["clean"]) == 2
