@@ -75,8 +75,8 @@ class Agreement:
 def raise_together(error: Exception | None, world: int | None = None, device: str | None = None) -> None:
     """Every rank of the evaluation (the default process group; `world` and `device` default to its size and its
     backend's device) passes its own error or None; if any rank passed one, every rank raises the same
-    EvaluationFailed (from its own error; a single process raises its error itself). One int all-reduce, plus one all_gather_object of the messages when a rank
-    failed."""
+    EvaluationFailed (from its own error; a single process raises its error itself). One int all-reduce, plus one
+    all_gather_object of the messages when a rank failed."""
     if world is None:
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         device = "cuda" if world > 1 and dist.get_backend() == "nccl" else "cpu"

@@ -186,13 +186,16 @@ class Engine:
 
         Each comes with None, or under lockstep with its agreed shape from `plan(batches, layout)` (nano_eval.lockstep;
         a rank with fewer batches than another gets `[]` rows: a dummy batch). A fault while cutting the batches is
-        kept in `agreement` (this rank then has none, and stops every rank at the first meeting)."""
+        kept in `agreement` (this rank then has no batch but an empty one, or lockstep's dummies, and stops the ranks
+        it meets at their first meeting)."""
         batches = []
         with agreement.guard():
             shard = list(GenDistributedSampler(dataset, self.layout.dp_size, self.layout.dp_rank))
             b = self.batching
             batches = [[dataset[i] for i in positions]
                        for positions in dataset.splits_iterator(shard, b.max_batch_tokens, b.max_batch_size)]
+        if agreement.error is not None and not self.lockstep:
+            batches = [[]]  # one empty batch: its meeting stops the replica's other ranks at their first
         shapes = [None] * len(batches)
         if self.lockstep:
             shapes = plan(batches, self.layout)

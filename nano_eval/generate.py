@@ -66,8 +66,8 @@ def greedy_decode(backend: Backend, rows: Sequence[Row], pad_id: int, eos_ids: C
 
     agreement (nano_eval.agreement): detokenising and stop sequences run under its guard, and every decoding step
     ends with its meeting (under lockstep: every rank's "unfinished?" and "failed?" in one all-reduce), so a fault on
-    one rank stops every rank after the same step; the results are then {} and the caller's `settle` raises. Without
-    one, a fault raises here (the caller is one process).
+    one rank stops every rank after the same step; the results are then incomplete and the caller's `settle` raises.
+    Without one, greedy_decode settles its own at the end (every rank calls it).
 
     Every rank of the model replica calls it with the same rows; every rank returns the same results.
     """

@@ -18,7 +18,6 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -26,8 +25,6 @@ from tests.dist_utils import free_port, run_distributed
 
 TASKS = "demo|arithmetic|0,demo|arithmetic_gen|0"
 PG_TIMEOUT_S = 60
-# (lockstep, fault, fail_soft): both schedules, both fault places, both fail_soft answers
-CASES = [(False, "decode", True), (False, "scoring", False), (True, "decode", False), (True, "scoring", True)]
 FAST_S = PG_TIMEOUT_S / 2  # far below the process-group timeout, with room for a loaded shared CPU
 
 
@@ -66,71 +63,61 @@ def _training_step_sum(model, ids) -> float:
 
 
 def _hook_world(rank, world, ckpt, out):
-    """Rank 1's faults (decode mid-generation, a scoring batch, a metric), dense and in lockstep, fail_soft True and
-    False; per case: what the hook did on this rank and how long it took; then the training-like step."""
+    """The toy transformers model, dense data parallel and forced into lockstep (_hook_cases); a metric failing on
+    rank 1 only; then the training-like step."""
     import torch
 
-    import nano_eval.engine as engine
     from nano_eval.checkpoints.hf import load_transformers
     from nano_eval.training.config import EvalHookConfig
-    from nano_eval.training.hook import EvalHook, EvalHookError
+    from nano_eval.training.hook import EvalHook
 
     backend = load_transformers(ckpt)
     ids = torch.arange(3, 19).reshape(1, 16)
-    before = _training_step_sum(backend.module, ids)
-    hooks = {soft: EvalHook(EvalHookConfig(tasks=TASKS, max_samples=6, batch_tokens=32, fail_soft=soft,
-                                           output_dir=f"{out}/soft_{soft}", wandb=False, progress=False), backend)
-             for soft in (True, False)}
-    faults = {
-        "decode": lambda: _Fault(backend.tokenizer, "decode", 1, RuntimeError("injected decode failure"), after=5),
-        "scoring": lambda: _Fault(engine, "split_scores", 1, ValueError("injected scoring failure"), after=1),
-    }
-    seen = {}
-    for step, (lockstep, where, soft) in enumerate(CASES, start=1):
+    seen = {"step_before": _training_step_sum(backend.module, ids)}
+    for lockstep, cases in DENSE_CASES.items():
         backend.lockstep = lockstep  # the schedule MoE models run (nano_eval.lockstep), forced on the dense model
-        fault = faults[where]()
-        start = time.perf_counter()
-        try:
-            outcome = "none" if hooks[soft](step) is None else "results"
-        except EvalHookError as e:
-            outcome = f"raised: {e}"
-        finally:
-            fault.undo()
-        seen[(lockstep, where, soft)] = (outcome, time.perf_counter() - start, fault.calls)
-    step = len(CASES)
+        seen[lockstep] = _hook_cases(backend, f"{out}/lockstep_{lockstep}", cases, scoring_after=1)
     # a metric failing on rank 1 only: the task is failed on every rank, the other task scored alike
-    metric = hooks[True].specs[0].key
-    task = hooks[True]._evaluators[0].prepared[0].task
+    hook = EvalHook(EvalHookConfig(tasks=TASKS, max_samples=6, output_dir=f"{out}/metric", wandb=False,
+                                   progress=False), backend)
+    task = hook._evaluators[0].prepared[0].task
     fault = _Fault(task.metrics[0], "compute", 1, ZeroDivisionError("injected metric failure"), after=1)
-    results = hooks[True](step + 1)
+    results = hook(1)
     fault.undo()
-    seen["metric"] = (sorted(results.failed.items()), sorted(results.tasks))
-    backend.lockstep = True
-    clean = hooks[True](step + 2)
-    seen["clean"] = {k: tr.metrics for k, tr in clean.tasks.items()}
-    seen["metric_key"] = metric
-    seen["step_before"], seen["step_after"] = before, _training_step_sum(backend.module, ids)
+    seen["metric"] = (sorted(results.failed.items()), sorted(results.tasks), hook.specs[0].key)
+    seen["step_after"] = _training_step_sum(backend.module, ids)
     return seen
+
+
+# lockstep: [(fault, fail_soft)]: both schedules, both fault places, both fail_soft answers
+DENSE_CASES = {False: [("decode", True), ("scoring", False)], True: [("decode", False), ("scoring", True)]}
+MESSAGES = {"decode": "RuntimeError: injected decode failure", "scoring": "ValueError: injected scoring failure"}
+
+
+def check_cases(per_rank: list[dict], cases: list, scoring_after: int = 2) -> None:
+    """Every rank: the same outcome of each case (None under fail_soft, else EvalHookError naming rank 1 and its
+    message), far within the process group's timeout, the fault reached mid-run; the same clean scores after."""
+    for rank, seen in enumerate(per_rank):
+        for step, case in enumerate(cases, start=1):
+            outcome, took, calls = seen[case]
+            if rank == 1:
+                assert calls >= (5 if case[0] == "decode" else scoring_after), (case, calls)  # it came mid-run
+            expected = "none" if case[1] else f"raised: evaluation at step {step} failed on rank 1: {MESSAGES[case[0]]}"
+            assert outcome == expected, (rank, case)
+            assert took < FAST_S, (rank, case, took)
+    assert per_rank[0]["clean"] == per_rank[1]["clean"] and len(per_rank[0]["clean"]) == 2
 
 
 def test_hook_faults_on_one_rank_end_every_rank_together(toy_checkpoint, tmp_path):
     per_rank = run_distributed(_hook_world, 2, str(toy_checkpoint), str(tmp_path), timeout=240,
                                pg_timeout_s=PG_TIMEOUT_S)
-    messages = {"decode": "RuntimeError: injected decode failure", "scoring": "ValueError: injected scoring failure"}
-    for rank, seen in enumerate(per_rank):
-        for step, case in enumerate(CASES, start=1):
-            outcome, took, calls = seen[case]
-            if rank == 1:
-                assert calls >= (5 if case[1] == "decode" else 1), (case, calls)  # the fault came mid-run
-            expected = "none" if case[2] else f"raised: evaluation at step {step} failed on rank 1: {messages[case[1]]}"
-            assert outcome == expected, (rank, case)
-            assert took < FAST_S, (rank, case, took)
-        failed, scored = seen["metric"]
-        key = seen["metric_key"]
+    for lockstep, cases in DENSE_CASES.items():
+        check_cases([seen[lockstep] for seen in per_rank], cases, scoring_after=1)
+    for seen in per_rank:
+        failed, scored, key = seen["metric"]
         assert failed == [(key, "on rank 1: ZeroDivisionError: injected metric failure")] and key not in scored
-        # the process groups are still in step: the training-like step matches, a clean evaluation agrees
+        # the process groups are still in step: the training-like step (a forward, an all-reduce) matches
         assert seen["step_after"] == seen["step_before"] == per_rank[0]["step_before"]
-    assert per_rank[0]["clean"] == per_rank[1]["clean"] and len(per_rank[0]["clean"]) == 2
 
 
 PATCH_DECODE = '''
@@ -186,16 +173,45 @@ def test_cli_fault_on_one_rank_ends_both_ranks_with_one_line(toy_checkpoint, tmp
     assert abs(ended[0] - ended[1]) < FAST_S, ended  # rank 0 did not wait out the 60 s timeout
 
 
-def _moe_world(rank, world, tokenizer_dir, out):
-    """megatron-core's MoE GPTModel at ep2 (dp2, alltoall, capacity factor: lockstep): rank 1 fails while
-    detokenising mid-generation (fail_soft True and False) and while scoring; then a training-mode forward (the
-    experts' all-to-all) gives bitwise what it gave before, and a clean evaluation agrees on both ranks."""
-    import torch
-    import torch.distributed as dist
-
+def _hook_cases(backend, out: str, cases, scoring_after: int = 2) -> dict:
+    """Per (fault, fail_soft) of `cases`: (outcome, seconds, the fault's calls on rank 1) of a hook call with that
+    fault on rank 1 (detokenising from its 5th call, mid-generation; scoring from its `scoring_after`-th batch);
+    then "clean": the scores of a call without one."""
     import nano_eval.engine as engine
     from nano_eval.training.config import EvalHookConfig
     from nano_eval.training.hook import EvalHook, EvalHookError
+
+    hooks = {soft: EvalHook(EvalHookConfig(tasks=TASKS, max_samples=7, batch_tokens=32, fail_soft=soft,
+                                           output_dir=f"{out}/soft_{soft}", wandb=False, progress=False), backend)
+             for soft in (True, False)}
+    faults = {
+        "decode": lambda: _Fault(backend.tokenizer, "decode", 1, RuntimeError("injected decode failure"), after=5),
+        "scoring": lambda: _Fault(engine, "split_scores", 1, ValueError("injected scoring failure"),
+                                    after=scoring_after),
+    }
+    seen = {}
+    for step, (where, soft) in enumerate(cases, start=1):
+        fault = faults[where]()
+        start = time.perf_counter()
+        try:
+            outcome = "none" if hooks[soft](step) is None else "results"
+        except EvalHookError as e:
+            outcome = f"raised: {e}"
+        finally:
+            fault.undo()
+        seen[(where, soft)] = (outcome, time.perf_counter() - start, fault.calls)
+    seen["clean"] = {k: tr.metrics for k, tr in hooks[True](len(cases) + 1).tasks.items()}
+    return seen
+
+
+def _moe_world(rank, world, tokenizer_dir, out):
+    """megatron-core's MoE GPTModel at ep2 (dp2, alltoall, capacity factor: lockstep): rank 1 fails while
+    detokenising mid-generation (fail_soft True and False) and while scoring; then a training-mode forward (the
+    experts' all-to-all) gives bitwise what it gave before. Then the same model at pp2 (one replica, two stages;
+    rank 1 is the output stage, the only one that scores): the stages end together too."""
+    import torch
+    import torch.distributed as dist
+
     from tests.megatron_moe_worker import CAPACITY, moe_backend
 
     backend = moe_backend(tokenizer_dir, ep=2, capacity=CAPACITY, pad_to_capacity=True)
@@ -211,49 +227,26 @@ def _moe_world(rank, world, tokenizer_dir, out):
         return out, float(total)
 
     before = training_forward()
-    hooks = {soft: EvalHook(EvalHookConfig(tasks=TASKS, max_samples=7, batch_tokens=32, fail_soft=soft,
-                                           output_dir=f"{out}/moe_{soft}", wandb=False, progress=False), backend)
-             for soft in (True, False)}
-    faults = {
-        "decode": lambda: _Fault(backend.tokenizer, "decode", 1, RuntimeError("injected decode failure"), after=5),
-        "scoring": lambda: _Fault(engine, "split_scores", 1, ValueError("injected scoring failure"), after=2),
-    }
-    seen = {"lockstep": backend.lockstep}
-    for step, (where, soft) in enumerate(MOE_CASES, start=1):
-        fault = faults[where]()
-        start = time.perf_counter()
-        try:
-            outcome = "none" if hooks[soft](step) is None else "results"
-        except EvalHookError as e:
-            outcome = f"raised: {e}"
-        finally:
-            fault.undo()
-        seen[(where, soft)] = (outcome, time.perf_counter() - start, fault.calls)
-    clean = hooks[True](len(MOE_CASES) + 1)
-    seen["clean"] = {k: tr.metrics for k, tr in clean.tasks.items()}
+    seen = {"ep2": _hook_cases(backend, f"{out}/ep2", MOE_CASES["ep2"]) | {"lockstep": backend.lockstep}}
     after = training_forward()
-    seen["training_forward_bitwise"] = torch.equal(before[0], after[0])
-    seen["all_reduced"] = (before[1], after[1])
+    seen["ep2"]["training_forward_bitwise"] = torch.equal(before[0], after[0])
+    seen["ep2"]["all_reduced"] = (before[1], after[1])
+    backend = moe_backend(tokenizer_dir, pp=2)
+    seen["pp2"] = _hook_cases(backend, f"{out}/pp2", MOE_CASES["pp2"]) | {"lockstep": backend.lockstep}
     return seen
 
 
-MOE_CASES = [("decode", True), ("decode", False), ("scoring", True)]
+MOE_CASES = {"ep2": [("decode", True), ("decode", False), ("scoring", True)],
+             "pp2": [("scoring", False), ("decode", True)]}
 
 
 @pytest.mark.slow
-def test_moe_ep2_faults_on_one_rank_end_every_rank_together(toy_checkpoint, tmp_path):
+def test_moe_ep2_and_pp2_faults_on_one_rank_end_every_rank_together(toy_checkpoint, tmp_path):
     pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e '.[megatron]')")
     per_rank = run_distributed(_moe_world, 2, str(toy_checkpoint), str(tmp_path), timeout=900,
                                pg_timeout_s=PG_TIMEOUT_S)
-    messages = {"decode": "RuntimeError: injected decode failure", "scoring": "ValueError: injected scoring failure"}
-    for rank, seen in enumerate(per_rank):
-        assert seen["lockstep"]
-        for step, case in enumerate(MOE_CASES, start=1):
-            outcome, took, calls = seen[case]
-            if rank == 1:
-                assert calls >= (5 if case[0] == "decode" else 2), (case, calls)  # the fault came mid-run
-            expected = "none" if case[1] else f"raised: evaluation at step {step} failed on rank 1: {messages[case[0]]}"
-            assert outcome == expected, (rank, case)
-            assert took < FAST_S, (rank, case, took)
-        assert seen["training_forward_bitwise"] and seen["all_reduced"][0] == seen["all_reduced"][1]
-    assert per_rank[0]["clean"] == per_rank[1]["clean"] and len(per_rank[0]["clean"]) == 2
+    for name, cases in MOE_CASES.items():
+        assert [seen[name]["lockstep"] for seen in per_rank] == [name == "ep2"] * 2
+        check_cases([seen[name] for seen in per_rank], cases)
+    for seen in per_rank:  # the experts' all-to-all and an all-reduce after the failed evaluations: as before
+        assert seen["ep2"]["training_forward_bitwise"] and len(set(seen["ep2"]["all_reduced"])) == 1
