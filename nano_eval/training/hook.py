@@ -217,10 +217,9 @@ class EvalHook:
                 error = None
                 try:
                     results = self._evaluate(step, consumed_tokens)
-                except EvaluationFailed as e:  # raised on every rank together: already agreed
-                    error = e
                 except Exception as e:  # noqa: BLE001
                     error = e
+                # EvaluationFailed: raised on every rank together (nano_eval.agreement), so already agreed on
                 failures = error.failures if isinstance(error, EvaluationFailed) else self._agree(error)
                 if not failures:  # rank 0 publishes; the others wait for its verdict
                     results.time_s = time.perf_counter() - start
