@@ -13,6 +13,7 @@ from typing import Any, Iterator, Sequence
 import torch
 from tqdm import tqdm
 
+from nano_eval.agreement import Agreement
 from nano_eval.backends.base import Backend
 from nano_eval.data import DynamicBatchDataset, GenDistributedSampler, GenerativeTaskDataset, LoglikelihoodDataset
 from nano_eval.errors import NanoEvalError
@@ -179,15 +180,22 @@ class Engine:
 
     # ---- running -----------------------------------------------------------------------------------------------
 
-    def _my_batches(self, dataset: DynamicBatchDataset, desc: str, plan=None) -> Iterator[tuple[list[Row], Any]]:
+    def _my_batches(self, dataset: DynamicBatchDataset, desc: str, agreement: Agreement,
+                    plan=None) -> Iterator[tuple[list[Row], Any]]:
         """This data-parallel rank's shard of `dataset`, in token-budget batches, with a progress bar on rank 0.
 
         Each comes with None, or under lockstep with its agreed shape from `plan(batches, layout)` (nano_eval.lockstep;
-        a rank with fewer batches than another gets `[]` rows: a dummy batch)."""
-        shard = list(GenDistributedSampler(dataset, self.layout.dp_size, self.layout.dp_rank))
-        b = self.batching
-        batches = [[dataset[i] for i in positions]
-                   for positions in dataset.splits_iterator(shard, b.max_batch_tokens, b.max_batch_size)]
+        a rank with fewer batches than another gets `[]` rows: a dummy batch). A fault while cutting the batches is
+        kept in `agreement` (this rank then has no batch but an empty one, or lockstep's dummies, and stops the ranks
+        it meets at their first meeting)."""
+        batches = []
+        with agreement.guard():
+            shard = list(GenDistributedSampler(dataset, self.layout.dp_size, self.layout.dp_rank))
+            b = self.batching
+            batches = [[dataset[i] for i in positions]
+                       for positions in dataset.splits_iterator(shard, b.max_batch_tokens, b.max_batch_size)]
+        if agreement.error is not None and not self.lockstep:
+            batches = [[]]  # one empty batch: its meeting stops the replica's other ranks at their first
         shapes = [None] * len(batches)
         if self.lockstep:
             shapes = plan(batches, self.layout)
@@ -199,35 +207,57 @@ class Engine:
         lay = self.layout
         return VocabShard.of(logits.shape[-1], lay.tp_rank, lay.tp_group, lay.tp_size)
 
+    def _agreement(self) -> Agreement:
+        """A run's fault flag and meeting points (nano_eval.agreement): all ranks under lockstep, else the replica."""
+        return Agreement(self.layout, lockstep=self.lockstep)
+
     def run_loglikelihood(self, dataset: LoglikelihoodDataset, desc: str = "loglikelihood") -> dict:
         """{key: LoglikelihoodResult} (rolling windows keyed (request key, window)); single-token requests give a
-        list of results, one per choice. Same dict on every rank."""
+        list of results, one per choice. Same dict on every rank.
+
+        A fault outside the forwards on any rank ends the run on every rank before the next forward (or at the end)
+        with the same EvaluationFailed (nano_eval.agreement)."""
         local: dict = {}
         slotted: dict = {}  # single-token requests: {key: {slot: result}}
-        for rows, shape in self._my_batches(dataset, desc, scoring_plan):
-            batch = make_batch(rows, self.pad_id, self.packs_rows) if rows else None
-            if shape is not None:  # lockstep: padded to the shape every DP rank runs (or a dummy batch)
-                batch = padded_batch(batch, *shape, self.pad_id)
+        agreement = self._agreement()
+        for rows, shape in self._my_batches(dataset, desc, agreement, scoring_plan):
+            batch = None
+            with agreement.guard():
+                batch = make_batch(rows, self.pad_id, self.packs_rows) if rows else None
+                if shape is not None:  # lockstep: padded to the shape every DP rank runs (or a dummy batch)
+                    batch = padded_batch(batch, *shape, self.pad_id)
+            if not agreement.meet():  # every rank that runs this forward goes on, or none
+                break
             logits = self.backend.forward(batch)
             if logits is None or not rows:
                 continue
-            logprobs, greedy = target_logprobs(logits, batch.targets.to(logits.device), self._vocab_shard(logits))
-            for choice, *scores in split_scores(rows, logprobs.tolist(), greedy.tolist()):
-                result = LoglikelihoodResult(*scores, choice.truncated)
-                if choice.slot is None:
-                    local[choice.key] = result
-                else:
-                    slotted.setdefault(choice.key, {})[choice.slot] = result
+            with agreement.guard():
+                logprobs, greedy = target_logprobs(logits, batch.targets.to(logits.device), self._vocab_shard(logits))
+                for choice, *scores in split_scores(rows, logprobs.tolist(), greedy.tolist()):
+                    result = LoglikelihoodResult(*scores, choice.truncated)
+                    if choice.slot is None:
+                        local[choice.key] = result
+                    else:
+                        slotted.setdefault(choice.key, {})[choice.slot] = result
         local.update((key, [results[i] for i in sorted(results)]) for key, results in slotted.items())
+        agreement.settle()
         return gather_dicts_over_dp(broadcast_from_output_stage(local, self.layout), self.layout)
 
     def run_greedy(self, dataset: GenerativeTaskDataset, desc: str = "generate") -> dict:
-        """{key: GenerationResult}: greedy continuation up to a stop sequence, any EOS id or max_new_tokens."""
+        """{key: GenerationResult}: greedy continuation up to a stop sequence, any EOS id or max_new_tokens.
+
+        A fault outside the forwards on any rank (detokenising, a stop sequence) ends the run on every rank at the
+        next decoding step or batch (or at the end) with the same EvaluationFailed (nano_eval.agreement)."""
         local: dict = {}
-        for rows, shape in self._my_batches(dataset, desc, generation_plan):
+        agreement = self._agreement()
+        for rows, shape in self._my_batches(dataset, desc, agreement, generation_plan):
+            if not agreement.meet():  # every rank that runs this batch's prefill goes on, or none
+                break
             sync = Lockstep.of(rows, shape, self.pad_id, self.layout) if shape is not None else None
             local.update(greedy_decode(self.backend, rows, self.pad_id, self.tokens.eos_ids, self._vocab_shard,
-                                       shared_prefix_tokens=self._generation_prefix_tokens(), lockstep=sync))
+                                       shared_prefix_tokens=self._generation_prefix_tokens(), lockstep=sync,
+                                       agreement=agreement))
+        agreement.settle()
         return gather_dicts_over_dp(broadcast_from_output_stage(local, self.layout), self.layout)
 
 

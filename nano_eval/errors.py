@@ -27,3 +27,23 @@ class TasksFailedError(NanoEvalError):
     """Some tasks failed while being scored; the others' results were written. Exit code 1 (not bad input)."""
 
     exit_code = 1
+
+
+class EvaluationFailed(NanoEvalError):
+    """A fault on some ranks ended the evaluation on every rank together (nano_eval.agreement). Raised on every rank
+    with the same message; on a failing rank it is chained to that rank's own error (`__cause__`).
+
+    failures: [(rank, one-line message)] in rank order; exit code: the first failing rank's (2 when its error was a
+    NanoEvalError, i.e. bad input; 1 for anything else)."""
+
+    def __init__(self, failures: list[tuple[int, str]], exit_code: int = 1):
+        super().__init__(f"the evaluation failed on {describe_failures(failures)}")
+        self.failures, self.exit_code = failures, exit_code
+
+
+def describe_failures(failures: list[tuple[int, str]]) -> str:
+    """"rank 1: <message>", or "ranks 0, 1 (first: rank 0): <message>"."""
+    ranks = ", ".join(str(r) for r, _ in failures)
+    first_rank, first = failures[0]
+    more = f" (first: rank {first_rank})" if len(failures) > 1 else ""
+    return f"rank{'s' if len(failures) > 1 else ''} {ranks}{more}: {first}"

@@ -12,9 +12,13 @@ import traceback
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+import torch.distributed as dist
+
+from nano_eval.agreement import message_of
 from nano_eval.backends.base import Backend, evaluation_mode
 from nano_eval.engine import BatchingConfig, Engine
 from nano_eval.generate import GenerationResult
+from nano_eval.parallel import any_rank_true
 from nano_eval.response import ModelResponse
 from nano_eval.tasks import Task, TaskSpec, build_requests
 from nano_eval.tasks.requests import Doc, Request, RequestType
@@ -121,23 +125,49 @@ class Evaluator:
         return results, timings
 
     def evaluate(self, step: int | None = None) -> EvalResults:
+        """Every rank calls it; every rank returns the same results. A fault outside the forwards on any rank raises
+        the same EvaluationFailed on every rank (nano_eval.agreement); a task whose scoring fails on any rank is
+        listed in `failed` on every rank."""
         start = time.perf_counter()
         with evaluation_mode(getattr(self.backend, "module", None)):
             raw, timings = self.run_requests()
-        tasks, failed = {}, {}
+        tasks, errors = {}, {}
         for p in self.prepared:  # one task's failure (a metric's bug) never loses the others' scores
             try:
                 tasks[p.spec.key] = self._score_task(p, raw)
             except Exception as e:  # noqa: BLE001 -- reported, and listed in EvalResults.failed
-                failed[p.spec.key] = f"{type(e).__name__}: {' '.join(str(e).split())}"[:1000]
-                if self.backend.layout.is_main:
-                    traceback.print_exc()
-                    print(f"nano_eval: error: task {p.spec.key} failed while being scored: {failed[p.spec.key]}",
-                          file=sys.stderr, flush=True)
+                errors[p.spec.key] = e
+        failed = self._failed_on_any_rank(errors)
+        for key in failed:
+            tasks.pop(key, None)
         if self.backend.layout.is_main:
             warn_truncation(tasks, self.backend.max_length)
         timings.update(build_s=self.build_seconds, evaluate_s=time.perf_counter() - start)
         return EvalResults(tasks=tasks, timings=timings, failed=failed)
+
+    def _failed_on_any_rank(self, errors: dict[str, Exception]) -> dict[str, str]:
+        """{task key: why} of the tasks whose scoring failed on any rank, the same on every rank (a metric can fail
+        on one rank only: its own data, its own disk), so that every rank returns the same results. One int
+        all-reduce over every rank, plus one all_gather_object when a task failed. The lowest rank a task failed on
+        prints its traceback; rank 0 prints one error line per task."""
+        lay = self.backend.layout
+        mine = {key: message_of(e) for key, e in errors.items()}
+        every = [mine]
+        if lay.world_size > 1 and any_rank_true(bool(mine), None, lay.world_size, lay.device):
+            every = [None] * lay.world_size
+            dist.all_gather_object(every, mine)
+        failed: dict[str, str] = {}
+        for rank, part in enumerate(every):
+            for key, why in (part or {}).items():
+                if key in failed:
+                    continue
+                failed[key] = why if len(every) == 1 or all(key in p for p in every) else f"on rank {rank}: {why}"
+                if key in errors and rank == lay.rank:
+                    traceback.print_exception(errors[key])
+                if lay.is_main:
+                    print(f"nano_eval: error: task {key} failed while being scored: {failed[key]}",
+                          file=sys.stderr, flush=True)
+        return failed
 
     def _score_task(self, prepared: _PreparedTask, raw: dict) -> TaskResult:
         by_doc: dict[int, list[Request]] = defaultdict(list)

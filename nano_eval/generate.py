@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Callable, Collection, Protocol, Sequence
 
 import torch
 
+from nano_eval.agreement import Agreement
 from nano_eval.backends.base import Backend
 from nano_eval.parallel import broadcast_tensor_from_output_stage
 from nano_eval.rows import Row, last_position_row, make_batch
@@ -49,7 +50,7 @@ class IncrementalDecoder(Protocol):
 
 def greedy_decode(backend: Backend, rows: Sequence[Row], pad_id: int, eos_ids: Collection[int],
                   vocab_shard: Callable[[torch.Tensor], VocabShard], shared_prefix_tokens: int = 0,
-                  lockstep: Lockstep | None = None) -> dict:
+                  lockstep: Lockstep | None = None, agreement: Agreement | None = None) -> dict:
     """{request key: GenerationResult} for generation rows that share one `Generation` (max_new_tokens, stop).
 
     A row stops at a stop sequence, at any id in `eos_ids` (not kept), or after max_new_tokens. The text is the
@@ -63,8 +64,15 @@ def greedy_decode(backend: Backend, rows: Sequence[Row], pad_id: int, eos_ids: C
     dropped), and the loop runs until no data-parallel rank has an unfinished row, so every DP rank runs the same
     forwards with the same shapes.
 
+    agreement (nano_eval.agreement): detokenising and stop sequences run under its guard, and every decoding step
+    ends with its meeting (under lockstep: every rank's "unfinished?" and "failed?" in one all-reduce), so a fault on
+    one rank stops every rank after the same step; the results are then incomplete and the caller's `settle` raises.
+    Without one, greedy_decode settles its own at the end (every rank calls it).
+
     Every rank of the model replica calls it with the same rows; every rank returns the same results.
     """
+    own = agreement is None
+    agreement = agreement or Agreement(backend.layout, lockstep=lockstep is not None)
     tok, layout = backend.tokenizer, backend.layout
     prompts = [row.segments[0] for row in rows]  # prompt tokens in .context, key and truncation in .choices[0]
     contexts = [p.context for p in prompts] + (lockstep.fillers if lockstep else [])
@@ -88,27 +96,32 @@ def greedy_decode(backend: Backend, rows: Sequence[Row], pad_id: int, eos_ids: C
             next_ids = argmax_tokens(logits, vocab_shard(logits)).to(next_ids.device)
         next_ids = broadcast_tensor_from_output_stage(next_ids, layout).tolist()
         keep = []  # positions in `active` of the rows that go on
-        for k, (i, t) in enumerate(zip(active, next_ids)):
-            if ends[i] is None and t in eos_ids:
-                ends[i] = len(fed[i])
-            if ends[i] is None or lockstep:
-                fed[i].append(t)
-            if ends[i] is None and (len(fed[i]) == max_new
-                                    or _hit_stop(tok.decode(fed[i], skip_special_tokens=True), stops)):
-                ends[i] = len(fed[i])
-            if ends[i] is None or lockstep:
-                keep.append(k)
-        unfinished = any(ends[i] is None for i in active)
-        if not (lockstep.any_rank(unfinished) if lockstep else unfinished):
+        with agreement.guard():
+            for k, (i, t) in enumerate(zip(active, next_ids)):
+                if ends[i] is None and t in eos_ids:
+                    ends[i] = len(fed[i])
+                if ends[i] is None or lockstep:
+                    fed[i].append(t)
+                if ends[i] is None and (len(fed[i]) == max_new
+                                        or _hit_stop(tok.decode(fed[i], skip_special_tokens=True), stops)):
+                    ends[i] = len(fed[i])
+                if ends[i] is None or lockstep:
+                    keep.append(k)
+        if not agreement.meet(any(ends[i] is None for i in active)):  # all done, or some rank failed
             break
         if decoder is not None:
             logits = decoder.extend(keep, [next_ids[k] for k in keep])
         active = [active[k] for k in keep]
     out = {}
-    for prompt, tokens, end in zip(prompts, fed, ends):
-        choice, gen = prompt.choices[0], tokens[:end]
-        out[choice.key] = GenerationResult(text=_cut_at_stop(tok.decode(gen, skip_special_tokens=True), stops),
-                                           tokens=gen, input_tokens=prompt.context, truncated=choice.truncated)
+    with agreement.guard():
+        for prompt, tokens, end in zip(prompts, fed, ends):
+            if agreement.stopped or agreement.error is not None:
+                break  # some rank failed: the caller's settle raises
+            choice, gen = prompt.choices[0], tokens[:end]
+            out[choice.key] = GenerationResult(text=_cut_at_stop(tok.decode(gen, skip_special_tokens=True), stops),
+                                               tokens=gen, input_tokens=prompt.context, truncated=choice.truncated)
+    if own:
+        agreement.settle()
     return out
 
 

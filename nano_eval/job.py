@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from nano_eval.agreement import raise_together
 from nano_eval.checkpoints.load import LoadOptions, checkpoint_identity, load_backend
 from nano_eval.errors import TasksFailedError
 from nano_eval.evaluator import EvalConfig, EvalResults, Evaluator
@@ -50,14 +51,27 @@ def evaluate_checkpoint(job: EvalJob, tasks: list, checkpoint: str, out_dir: str
     returns the same results. The model is dropped on return.
 
     Tasks that fail while being scored are listed in results.json (`failed_tasks`) next to the others' scores, then
-    TasksFailedError is raised on every rank (exit code 1)."""
-    backend = load_backend(checkpoint, job.load)
-    results = Evaluator(backend, tasks, job.eval).evaluate(step=step)
-    if backend.layout.is_main:
-        doc = results_document(results, layout=backend.layout, config=job.config_section(),
-                               checkpoint=checkpoint_identity(checkpoint), step=step,
-                               consumed_tokens=consumed_tokens, extra=extra)
-        write_results(out_dir, doc, results, details=job.details)
+    TasksFailedError is raised on every rank (exit code 1). A fault on one rank (loading, preparing, scoring outside
+    the forwards, rank 0's write) raises the same EvaluationFailed on every rank at the next point where the ranks
+    meet (nano_eval.agreement), never at the process group's timeout."""
+    backend = evaluator = error = None
+    try:
+        backend = load_backend(checkpoint, job.load)
+        evaluator = Evaluator(backend, tasks, job.eval)
+    except Exception as e:  # noqa: BLE001 -- raised on every rank together
+        error = e
+    raise_together(error)
+    results = evaluator.evaluate(step=step)
+    error = None
+    try:
+        if backend.layout.is_main:
+            doc = results_document(results, layout=backend.layout, config=job.config_section(),
+                                   checkpoint=checkpoint_identity(checkpoint), step=step,
+                                   consumed_tokens=consumed_tokens, extra=extra)
+            write_results(out_dir, doc, results, details=job.details)
+    except Exception as e:  # noqa: BLE001 -- raised on every rank together
+        error = e
+    raise_together(error)
     if results.failed:
         raise TasksFailedError(
             f"{len(results.failed)} task(s) failed while being scored: "

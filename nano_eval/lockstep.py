@@ -13,7 +13,8 @@ process group's timeout; the all-gather dispatcher also needs the same token cou
   out of them); a dummy batch is all padding with one scored position whose logits are dropped.
 - Generation (`Lockstep`): batch i has as many rows and as wide a left-padded prompt block on every rank (filler
   prompts: one as long as the longest prompt of any rank, the others one token), finished rows keep decoding
-  (their tokens are dropped), and decoding goes on until no DP rank has an unfinished row: one all-reduce per step.
+  (their tokens are dropped), and decoding goes on until no DP rank has an unfinished row: one all-reduce per step,
+  which also carries "did any rank fail?" (nano_eval.agreement; so does one before every scoring batch and prefill).
 
 Dense models never come here (no extra collectives, no padding).
 """
@@ -28,7 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from nano_eval.backends.base import Batch
-from nano_eval.parallel import ParallelLayout, any_rank_true
+from nano_eval.parallel import ParallelLayout
 from nano_eval.rows import ARGMAX, PAD, Row
 
 
@@ -113,7 +114,3 @@ class Lockstep:
         fillers = [[pad_id] * width] if longest < width else []
         fillers += [[pad_id]] * (count - len(rows) - len(fillers))
         return cls(fillers, steps, layout)
-
-    def any_rank(self, unfinished: bool) -> bool:
-        """True on every DP rank while some DP rank still has an unfinished row (one all-reduce)."""
-        return any_rank_true(unfinished, self.layout.dp_group, self.layout.dp_size, self.layout.device)

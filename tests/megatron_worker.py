@@ -532,6 +532,7 @@ def save_legacy_checkpoint(model, args, root: Path, iteration: int):
     dist.barrier()
     if dist.get_rank() == 0:
         (root / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+    dist.barrier()  # no rank reads the checkpoint before the tracker is there (seen on a loaded CPU: one did)
 
 
 def save_dist_checkpoint(model, args, root: Path, iteration: int):
@@ -564,6 +565,7 @@ def save_dist_checkpoint(model, args, root: Path, iteration: int):
     dist.barrier()
     if dist.get_rank() == 0:
         (root / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+    dist.barrier()  # no rank reads the checkpoint before the tracker is there (seen on a loaded CPU: one did)
 
 
 def state_digest(state: dict) -> str:

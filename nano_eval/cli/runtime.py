@@ -23,7 +23,7 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from nano_eval.errors import NanoEvalError
+from nano_eval.errors import EvaluationFailed, NanoEvalError
 
 
 def init_distributed(device: str, timeout_s: float) -> None:
@@ -96,6 +96,12 @@ def run_command(body: Callable[[], int | None], what: str) -> int:
     try:
         with quiet_broken_pipe():
             code = body() or 0
+    except EvaluationFailed as e:  # every rank has it: rank 0 says it once (it names the failing ranks)
+        if isinstance(e.__cause__, Exception) and not isinstance(e.__cause__, NanoEvalError):
+            traceback.print_exception(e.__cause__)  # the failing rank's bug
+        if rank == 0:
+            print(f"nano_eval: error: {e}", file=sys.stderr, flush=True)
+        return e.exit_code
     except NanoEvalError as e:
         print(f"nano_eval: error: {prefix}{e}", file=sys.stderr)
         return e.exit_code

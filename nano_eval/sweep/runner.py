@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from nano_eval.checkpoints.load import fingerprint
-from nano_eval.errors import NanoEvalError, TasksFailedError
+from nano_eval.errors import EvaluationFailed, NanoEvalError, TasksFailedError
 from nano_eval.job import EvalJob, evaluate_checkpoint
 from nano_eval.parallel import any_rank_true
 from nano_eval.sweep.discovery import (Checkpoint, Settler, consumed_tokens, discover, has_marker, is_checkpoint_dir,
@@ -336,8 +336,9 @@ class SweepRunner:
         """Load once, score every task, write (rank 0), then drop every reference to the model. Returns the error
         if the checkpoint failed on any rank (every rank agrees), else None.
 
-        Limitation: an error on only some ranks while the others wait inside a collective of the evaluation leaves
-        those waiting until --dist-timeout."""
+        A fault on one rank outside the forwards ends the checkpoint on every rank at the next point where the ranks
+        meet (nano_eval.agreement: EvaluationFailed everywhere). Limitation: a fault inside a forward (one rank out of
+        memory halfway through a collective) leaves the others in that collective until --dist-timeout."""
         error = None
         try:
             evaluate_item(self.job, self.tasks, self.run_dir, item)
@@ -356,6 +357,9 @@ class SweepRunner:
         ckpt = item.ckpt
         message = " ".join(str(error).split()) if isinstance(error, NanoEvalError) else one_line(error, limit=1000)
         self.summary.failed[ckpt.step] = (ckpt.name, message)
+        cause = error.__cause__ if isinstance(error, EvaluationFailed) else None
+        if isinstance(cause, Exception) and not isinstance(cause, NanoEvalError):
+            traceback.print_exception(cause)  # on the rank whose bug it is
         if not self.is_main:
             return
         if not isinstance(error, NanoEvalError):

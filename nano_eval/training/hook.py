@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from nano_eval.backends.base import Backend, evaluation_mode
 from nano_eval.engine import BatchingConfig
-from nano_eval.errors import BadDocumentError, NanoEvalError
+from nano_eval.errors import BadDocumentError, EvaluationFailed, NanoEvalError, describe_failures
 from nano_eval.evaluator import EvalConfig, EvalResults, Evaluator, TaskResult
 from nano_eval.parallel import any_rank_true
 from nano_eval.tracking.files import write_jsonl
@@ -67,17 +67,20 @@ class EvalHookError(RuntimeError):
 class EvalHook:
     """Evaluate the live model from inside any training loop. Build on every rank; call on every rank.
 
-    Failure agreement: whatever happens inside a call, each rank ends it with one all-reduce of a failure flag
-    over the world group (plus a gather of the error messages when a rank failed), so all ranks take the same
-    branch: with fail_soft=True every rank reports and returns None and training continues; with fail_soft=False
-    every rank raises `EvalHookError` naming the step and the failing ranks.
+    Failure agreement: a fault on one rank outside the model's forwards (data, prompts, detokenising, stop
+    sequences, metrics) ends the evaluation on every rank at the next point where the ranks meet, within one batch
+    or decoding step (nano_eval.agreement), never at the process group's timeout; whatever else happens inside a
+    call (rank 0's file writes included), each rank ends it with one all-reduce of a failure flag over the world
+    group (plus a gather of the error messages when a rank failed). So all ranks take the same branch with every
+    collective matched: with fail_soft=True every rank reports and returns None and training continues on process
+    groups still in step; with fail_soft=False every rank raises `EvalHookError` naming the step, the failing ranks
+    and the first one's error.
 
-    Limitation: the agreement happens after the evaluation. An error raised on only SOME ranks while the others
-    are inside a collective of the evaluation (a forward that fails on one tensor-parallel rank, one rank running
-    out of memory mid-batch) leaves the others waiting in that collective until the process group's timeout
-    (`init_process_group(timeout=...)`) expires, and they fail with the timeout error. Errors that happen on
-    every rank (bad task data, an OOM on every rank, a bug in a metric) and errors in rank 0's own work (writing
-    the result files) are agreed on without waiting. W&B and TensorBoard failures never fail an evaluation.
+    Limitation: a fault inside a forward (one rank running out of memory halfway through a tensor-parallel or
+    expert-parallel collective, a kernel failing on one rank) leaves the other ranks inside that collective until
+    the process group's timeout (`init_process_group(timeout=...)`): no evaluator can recover from that. Faults that
+    happen on every rank (bad task data, an OOM on every rank) end the evaluation alike. W&B and TensorBoard failures
+    never fail an evaluation.
     Only `Exception`s are caught: KeyboardInterrupt and SystemExit go straight through on the rank that got them.
     Every rank must call the hook at the same steps (`should_run` depends only on the step, so
     `maybe_evaluate(step)` from every rank is enough).
@@ -114,7 +117,7 @@ class EvalHook:
             if failures:
                 if error is not None:
                     raise error
-                raise EvalHookError(f"building the evaluation hook failed on {_describe(failures)}")
+                raise EvalHookError(f"building the evaluation hook failed on {describe_failures(failures)}")
             if self.is_publisher:
                 self.wandb = WandbLogger(
                     enabled=config.wandb,
@@ -216,7 +219,8 @@ class EvalHook:
                     results = self._evaluate(step, consumed_tokens)
                 except Exception as e:  # noqa: BLE001
                     error = e
-                failures = self._agree(error)
+                # EvaluationFailed: raised on every rank together (nano_eval.agreement), so already agreed on
+                failures = error.failures if isinstance(error, EvaluationFailed) else self._agree(error)
                 if not failures:  # rank 0 publishes; the others wait for its verdict
                     results.time_s = time.perf_counter() - start
                     try:
@@ -342,6 +346,8 @@ class EvalHook:
     def _report(self, step: int, consumed_tokens: int | None, error: BaseException | None,
                 failures: list[tuple[int, str]]) -> None:
         self.failed_steps.append(step)
+        if isinstance(error, EvaluationFailed):  # every rank has it; the failing ranks have their own error under it
+            error = error.__cause__
         if error is not None:  # the failing rank: full traceback once, later ones at debug level
             tb = "".join(traceback.format_exception(error))
             if not self._printed_traceback:
@@ -350,7 +356,7 @@ class EvalHook:
                       file=sys.stderr, flush=True)
             else:
                 logger.debug("evaluation at step %s raised:\n%s", step, tb)
-        message = f"evaluation at step {step} failed on {_describe(failures)}"
+        message = f"evaluation at step {step} failed on {describe_failures(failures)}"
         if not self.config.fail_soft:
             raise EvalHookError(message) from error
         if self.is_publisher:
@@ -395,13 +401,6 @@ class EvalHook:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _describe(failures: list[tuple[int, str]]) -> str:
-    ranks = ", ".join(str(r) for r, _ in failures)
-    first_rank, first = failures[0]
-    more = f" (first: rank {first_rank})" if len(failures) > 1 else ""
-    return f"rank{'s' if len(failures) > 1 else ''} {ranks}{more}: {first}"
 
 
 def _jsonable(value):
