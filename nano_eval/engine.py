@@ -17,7 +17,7 @@ from nano_eval.backends.base import Backend
 from nano_eval.data import DynamicBatchDataset, GenDistributedSampler, GenerativeTaskDataset, LoglikelihoodDataset
 from nano_eval.errors import NanoEvalError
 from nano_eval.generate import greedy_decode
-from nano_eval.lockstep import Lockstep, generation_plan, padded_batch, scoring_plan
+from nano_eval.lockstep import Lockstep, generation_schedule, padded_batch, scoring_schedule
 from nano_eval.packing import build_segments, pack_rows, share_prefixes
 from nano_eval.parallel import broadcast_from_output_stage, gather_dicts_over_dp
 from nano_eval.rows import Choice, Generation, Row, Segment, last_position_row, make_batch, plain_row, split_scores
@@ -179,20 +179,20 @@ class Engine:
 
     # ---- running -----------------------------------------------------------------------------------------------
 
-    def _my_batches(self, dataset: DynamicBatchDataset, desc: str, plan=None) -> Iterator[tuple[list[Row], Any]]:
+    def _my_batches(self, dataset: DynamicBatchDataset, desc: str, schedule=None) -> Iterator[tuple[list[Row], Any]]:
         """This data-parallel rank's shard of `dataset`, in token-budget batches, with a progress bar on rank 0.
 
-        Each comes with None, or under lockstep with its agreed shape from `plan(batches, layout)` (nano_eval.lockstep;
-        a rank with fewer batches than another gets `[]` rows: a dummy batch)."""
+        Each comes with None, or under lockstep with its agreed shape from `schedule(batches, layout, max_tokens)`
+        (nano_eval.lockstep: every rank runs the same forwards, each within the budget; a rank without rows for one
+        gets `[]`: a dummy batch)."""
         shard = list(GenDistributedSampler(dataset, self.layout.dp_size, self.layout.dp_rank))
         b = self.batching
         batches = [[dataset[i] for i in positions]
                    for positions in dataset.splits_iterator(shard, b.max_batch_tokens, b.max_batch_size)]
-        shapes = [None] * len(batches)
+        planned = [(rows, None) for rows in batches]
         if self.lockstep:
-            shapes = plan(batches, self.layout)
-            batches += [[] for _ in range(len(shapes) - len(batches))]
-        for rows, shape in tqdm(list(zip(batches, shapes)), desc=desc, disable=not self.progress, leave=False):
+            planned = schedule(batches, self.layout, b.max_batch_tokens)
+        for rows, shape in tqdm(planned, desc=desc, disable=not self.progress, leave=False):
             yield rows, shape
 
     def _vocab_shard(self, logits: torch.Tensor) -> VocabShard:
@@ -204,7 +204,7 @@ class Engine:
         list of results, one per choice. Same dict on every rank."""
         local: dict = {}
         slotted: dict = {}  # single-token requests: {key: {slot: result}}
-        for rows, shape in self._my_batches(dataset, desc, scoring_plan):
+        for rows, shape in self._my_batches(dataset, desc, scoring_schedule):
             batch = make_batch(rows, self.pad_id, self.packs_rows) if rows else None
             if shape is not None:  # lockstep: padded to the shape every DP rank runs (or a dummy batch)
                 batch = padded_batch(batch, *shape, self.pad_id)
@@ -224,7 +224,7 @@ class Engine:
     def run_greedy(self, dataset: GenerativeTaskDataset, desc: str = "generate") -> dict:
         """{key: GenerationResult}: greedy continuation up to a stop sequence, any EOS id or max_new_tokens."""
         local: dict = {}
-        for rows, shape in self._my_batches(dataset, desc, generation_plan):
+        for rows, shape in self._my_batches(dataset, desc, generation_schedule):
             sync = Lockstep.of(rows, shape, self.pad_id, self.layout) if shape is not None else None
             local.update(greedy_decode(self.backend, rows, self.pad_id, self.tokens.eos_ids, self._vocab_shard,
                                        shared_prefix_tokens=self._generation_prefix_tokens(), lockstep=sync))
