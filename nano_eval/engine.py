@@ -18,7 +18,7 @@ from nano_eval.backends.base import Backend
 from nano_eval.data import DynamicBatchDataset, GenDistributedSampler, GenerativeTaskDataset, LoglikelihoodDataset
 from nano_eval.errors import NanoEvalError
 from nano_eval.generate import greedy_decode
-from nano_eval.lockstep import Lockstep, generation_plan, padded_batch, scoring_plan
+from nano_eval.lockstep import Lockstep, generation_schedule, padded_batch, scoring_schedule
 from nano_eval.packing import build_segments, pack_rows, share_prefixes
 from nano_eval.parallel import broadcast_from_output_stage, gather_dicts_over_dp
 from nano_eval.rows import Choice, Generation, Row, Segment, last_position_row, make_batch, plain_row, split_scores
@@ -181,26 +181,25 @@ class Engine:
     # ---- running -----------------------------------------------------------------------------------------------
 
     def _my_batches(self, dataset: DynamicBatchDataset, desc: str, agreement: Agreement,
-                    plan=None) -> Iterator[tuple[list[Row], Any]]:
+                    schedule=None) -> Iterator[tuple[list[Row], Any]]:
         """This data-parallel rank's shard of `dataset`, in token-budget batches, with a progress bar on rank 0.
 
-        Each comes with None, or under lockstep with its agreed shape from `plan(batches, layout)` (nano_eval.lockstep;
-        a rank with fewer batches than another gets `[]` rows: a dummy batch). A fault while cutting the batches is
-        kept in `agreement` (this rank then has no batch but an empty one, or lockstep's dummies, and stops the ranks
-        it meets at their first meeting)."""
+        Each comes with None, or under lockstep with its agreed shape from `schedule(batches, layout, max_tokens)`
+        (nano_eval.lockstep: every rank runs the same forwards, each within the budget; a rank without rows for one
+        gets `[]`: a dummy batch). A fault while cutting the batches is kept in `agreement` (this rank then has no
+        batch but an empty one, or lockstep's dummies, and stops the ranks it meets at their first meeting)."""
         batches = []
+        b = self.batching
         with agreement.guard():
             shard = list(GenDistributedSampler(dataset, self.layout.dp_size, self.layout.dp_rank))
-            b = self.batching
             batches = [[dataset[i] for i in positions]
                        for positions in dataset.splits_iterator(shard, b.max_batch_tokens, b.max_batch_size)]
         if agreement.error is not None and not self.lockstep:
             batches = [[]]  # one empty batch: its meeting stops the replica's other ranks at their first
-        shapes = [None] * len(batches)
+        planned = [(rows, None) for rows in batches]
         if self.lockstep:
-            shapes = plan(batches, self.layout)
-            batches += [[] for _ in range(len(shapes) - len(batches))]
-        for rows, shape in tqdm(list(zip(batches, shapes)), desc=desc, disable=not self.progress, leave=False):
+            planned = schedule(batches, self.layout, b.max_batch_tokens)
+        for rows, shape in tqdm(planned, desc=desc, disable=not self.progress, leave=False):
             yield rows, shape
 
     def _vocab_shard(self, logits: torch.Tensor) -> VocabShard:
@@ -220,7 +219,7 @@ class Engine:
         local: dict = {}
         slotted: dict = {}  # single-token requests: {key: {slot: result}}
         agreement = self._agreement()
-        for rows, shape in self._my_batches(dataset, desc, agreement, scoring_plan):
+        for rows, shape in self._my_batches(dataset, desc, agreement, scoring_schedule):
             batch = None
             with agreement.guard():
                 batch = make_batch(rows, self.pad_id, self.packs_rows) if rows else None
@@ -250,7 +249,7 @@ class Engine:
         next decoding step or batch (or at the end) with the same EvaluationFailed (nano_eval.agreement)."""
         local: dict = {}
         agreement = self._agreement()
-        for rows, shape in self._my_batches(dataset, desc, agreement, generation_plan):
+        for rows, shape in self._my_batches(dataset, desc, agreement, generation_schedule):
             if not agreement.meet():  # every rank that runs this batch's prefill goes on, or none
                 break
             sync = Lockstep.of(rows, shape, self.pad_id, self.layout) if shape is not None else None

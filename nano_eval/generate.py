@@ -13,18 +13,16 @@ rank of the replica, so all ranks agree on when to stop.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Collection, Protocol, Sequence
+from typing import Callable, Collection, Protocol, Sequence
 
 import torch
 
 from nano_eval.agreement import Agreement
 from nano_eval.backends.base import Backend
+from nano_eval.lockstep import Lockstep, padded_batch
 from nano_eval.parallel import broadcast_tensor_from_output_stage
 from nano_eval.rows import Row, last_position_row, make_batch
 from nano_eval.scoring import VocabShard, argmax_tokens
-
-if TYPE_CHECKING:
-    from nano_eval.lockstep import Lockstep
 
 
 @dataclass(frozen=True)
@@ -38,9 +36,11 @@ class GenerationResult:
 class IncrementalDecoder(Protocol):
     """What a backend returns from `incremental_decoder()`: decoding state for one batch of prompts."""
 
-    def prefill(self, prompts: list[list[int]], pad_id: int, max_new_tokens: int) -> torch.Tensor | None:
-        """Logits [B, V/tp] at each prompt's last token (on the output stage; None elsewhere). The cache is sized
-        for rows x (longest prompt + max_new_tokens) columns, the budget generation batches are cut by."""
+    def prefill(self, prompts: list[list[int]], pad_id: int, max_new_tokens: int,
+                width: int | None = None) -> torch.Tensor | None:
+        """Logits [B, V/tp] at each prompt's last token (on the output stage; None elsewhere). Prompts are
+        left-padded to the longest (or to `width`, lockstep's agreed width, when wider); the cache is sized for
+        rows x (that width + max_new_tokens) columns, the budget generation batches are cut by."""
         ...
 
     def extend(self, keep: list[int], next_ids: list[int]) -> torch.Tensor | None:
@@ -60,9 +60,9 @@ def greedy_decode(backend: Backend, rows: Sequence[Row], pad_id: int, eos_ids: C
     more tokens have that prefix prefilled once (`incremental_decoder(shared_prefix_tokens=...)`).
 
     lockstep (nano_eval.lockstep, for models with collectives across data-parallel ranks): its filler prompts are
-    decoded after `rows` (which may be empty), no row leaves the batch (finished rows go on decoding, their tokens
-    dropped), and the loop runs until no data-parallel rank has an unfinished row, so every DP rank runs the same
-    forwards with the same shapes.
+    decoded after `rows` (which may be empty), prompts are padded to its agreed width, no row leaves the batch
+    (finished rows go on decoding, their tokens dropped), and the loop runs until no data-parallel rank has an
+    unfinished row, so every DP rank runs the same forwards with the same shapes.
 
     agreement (nano_eval.agreement): detokenising and stop sequences run under its guard, and every decoding step
     ends with its meeting (under lockstep: every rank's "unfinished?" and "failed?" in one all-reduce), so a fault on
@@ -86,11 +86,15 @@ def greedy_decode(backend: Backend, rows: Sequence[Row], pad_id: int, eos_ids: C
         decoder = backend.incremental_decoder(shared_prefix_tokens=shared_prefix_tokens)
     elif hasattr(backend, "incremental_decoder"):
         decoder = backend.incremental_decoder()
-    logits = decoder.prefill(contexts, pad_id, steps) if decoder is not None else None
-    for _ in range(steps):
+    width = lockstep.width if lockstep else None
+    logits = decoder.prefill(contexts, pad_id, steps, width) if decoder is not None else None
+    for step in range(steps):
         if decoder is None:
             step_rows = [last_position_row(None, contexts[i] + fed[i]) for i in active]
-            logits = backend.forward(make_batch(step_rows, pad_id, with_mask=False))
+            batch = make_batch(step_rows, pad_id, with_mask=False)
+            if lockstep:  # every rank's forward is as wide (right padding: causal attention keeps it out)
+                batch = padded_batch(batch, len(step_rows), max(width + step, batch.input_ids.shape[1]), pad_id)
+            logits = backend.forward(batch)
         next_ids = torch.zeros(len(active), dtype=torch.int64, device=layout.device)
         if logits is not None:
             next_ids = argmax_tokens(logits, vocab_shard(logits)).to(next_ids.device)

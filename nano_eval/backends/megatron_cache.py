@@ -94,12 +94,13 @@ class StaticCacheDecoder:
         self.pads: torch.Tensor | None = None  # [cache rows] int64: left-padding columns of each cache row
 
     @torch.no_grad()
-    def prefill(self, prompts: list[list[int]], pad_id: int, max_new_tokens: int) -> torch.Tensor | None:
+    def prefill(self, prompts: list[list[int]], pad_id: int, max_new_tokens: int,
+                width: int | None = None) -> torch.Tensor | None:
         """Logits [B, V/tp] at each prompt's last token (last stage); fills the cache with the prompts (a cache of
-        longest prompt + max_new_tokens columns)."""
+        longest prompt (or `width`) + max_new_tokens columns)."""
         from megatron.core.inference.contexts import StaticInferenceContext
 
-        ids, real = left_padded(prompts, pad_id)
+        ids, real = left_padded(prompts, pad_id, width)
         width = ids.shape[1]
         self.rows = len(prompts)
         pads = (~real).sum(dim=1).to(self.backend.device)  # [b] left-padding columns of each row

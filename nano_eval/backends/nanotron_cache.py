@@ -70,10 +70,11 @@ class StoreDecoder:
         self.tables: dict[int, torch.Tensor] = {}  # RoPE table of `columns` positions, per attention layer
 
     @torch.no_grad()
-    def prefill(self, prompts: list[list[int]], pad_id: int, max_new_tokens: int) -> torch.Tensor | None:
+    def prefill(self, prompts: list[list[int]], pad_id: int, max_new_tokens: int,
+                width: int | None = None) -> torch.Tensor | None:
         """Logits [B, V/tp] at each prompt's last token (last stage); fills the caches with the prompts (caches of
-        longest prompt + max_new_tokens columns)."""
-        ids, mask = left_padded(prompts, pad_id)  # nanotron's prefill requires the pads before the tokens
+        longest prompt (or `width`) + max_new_tokens columns)."""
+        ids, mask = left_padded(prompts, pad_id, width)  # nanotron's prefill requires the pads before the tokens
         self.rows, self.length = len(prompts), ids.shape[1]
         self.columns, self.tables = ids.shape[1] + max(1, max_new_tokens), {}
         return self._forward(ids, mask)

@@ -109,16 +109,18 @@ class CachedDecoder:
         self.mask: torch.Tensor | None = None  # [b, S] 1 on real tokens (prompt and generated), 0 on padding
         self.shared = 0  # length of the prefix the last prefill shared (0: none)
 
-    def prefill(self, prompts: list[list[int]], pad_id: int, max_new_tokens: int) -> torch.Tensor:
-        """Logits [B, V] at each prompt's last token; fills the cache with the prompts (room for the longest prompt +
-        max_new_tokens columns at most)."""
-        limit = max(map(len, prompts)) + max_new_tokens
-        self.cache, self.shared = _growing_cache(self.backend.model, limit), self._shared_length(prompts)
+    def prefill(self, prompts: list[list[int]], pad_id: int, max_new_tokens: int,
+                width: int | None = None) -> torch.Tensor:
+        """Logits [B, V] at each prompt's last token; fills the cache with the prompts (room for the longest prompt,
+        or `width` columns of left-padded prompts, + max_new_tokens columns at most; no shared prefix then)."""
+        limit = max(max(map(len, prompts)), width or 0) + max_new_tokens
+        self.cache = _growing_cache(self.backend.model, limit)
+        self.shared = 0 if width else self._shared_length(prompts)
         if self.shared:
             self.mask = torch.ones((1, self.shared), dtype=torch.int64)
             self._forward(torch.tensor([prompts[0][: self.shared]], dtype=torch.int64))
             self.cache.batch_repeat_interleave(len(prompts))
-        ids, mask = left_padded([p[self.shared :] for p in prompts], pad_id)
+        ids, mask = left_padded([p[self.shared :] for p in prompts], pad_id, width)
         self.mask = torch.cat([torch.ones((len(prompts), self.shared), dtype=torch.int64), mask.long()], dim=1)
         return self._forward(ids)
 
