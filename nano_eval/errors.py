@@ -27,3 +27,10 @@ class TasksFailedError(NanoEvalError):
     """Some tasks failed while being scored; the others' results were written. Exit code 1 (not bad input)."""
 
     exit_code = 1
+
+
+def is_rust_panic(error: BaseException) -> bool:
+    """A Rust library's panic surfacing in Python (pyo3's PanicException, e.g. the tokenizers library on a regex past
+    Onig's retry limit): a BaseException, so `except Exception` misses it; it says nothing about the process's
+    state, so it is one bad input like any other."""
+    return type(error).__name__ == "PanicException"
