@@ -42,7 +42,7 @@ PROBE_TEXT = "Hello world"  # any text: encoded with and without special tokens 
 # that per character, with slack for a busy machine or a garbage-collector pause: one call may take SLOW_BASE_S
 # more, all calls together SLOW_TOTAL_S more (and SLOW_PER_CALL_S a call).
 SLOW_PER_CHAR_S = 100e-6
-SLOW_BASE_S = 1.0
+SLOW_BASE_S = 2.0
 SLOW_TOTAL_S = 10.0
 SLOW_PER_CALL_S = 1e-3
 TOKENIZER_FIX = ("Fix: use the tokenizer the model was trained with (--tokenizer PATH_OR_HUB_ID), or restore the "
@@ -66,6 +66,11 @@ def call_tokenizer(name: str, what: str, fn: Callable, *args, **kwargs):
         kind = "panics" if is_rust_panic(e) else "fails"
         raise TokenizerError(f"tokenizer {name} {kind} when {what} ({type(e).__name__}: "
                              f"{' '.join(str(e).split())[:200]}). {TOKENIZER_FIX}") from None
+
+
+def decode_text(tokenizer, ids: list[int]) -> str:
+    """The text of generated token ids, special tokens left out (a Rust panic: a TokenizerError)."""
+    return call_tokenizer(_name(tokenizer), "decoding", tokenizer.decode, ids, skip_special_tokens=True)
 
 
 class EncodeBudget:

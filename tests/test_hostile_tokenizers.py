@@ -167,6 +167,39 @@ def test_a_sweep_goes_on_past_a_checkpoint_whose_tokenizer_panics(toy_checkpoint
     assert failed["step"] == 1 and "panics when encoding" in failed["error"]
 
 
+def test_a_sweep_goes_on_past_a_rust_panic_from_anywhere(toy_checkpoint, tmp_path, capsys, monkeypatch):
+    """Tokenizer calls turn their panics into refusals; the sweep also records a panic from any other Rust library
+    (the real pyo3 PanicException, raised here while scoring checkpoint-1) as that checkpoint's failure."""
+    from tokenizers import Regex, pre_tokenizers
+
+    import nano_eval.sweep.runner as runner
+    from nano_eval.cli import main
+    from nano_eval.sweep.table import read_table
+
+    try:
+        pre_tokenizers.Split(Regex(PANIC_REGEX), "isolated").pre_tokenize_str("Question")
+    except BaseException as e:  # noqa: BLE001 -- the panic this test needs
+        panic = e
+    assert type(panic).__name__ == "PanicException" and not isinstance(panic, Exception)
+    genuine = runner.evaluate_item
+
+    def evaluate_item(job, tasks, run_dir, item):
+        if item.ckpt.step == 1:
+            raise panic
+        return genuine(job, tasks, run_dir, item)
+
+    monkeypatch.setattr(runner, "evaluate_item", evaluate_item)
+    run = tmp_path / "run"
+    for step in (1, 2):
+        shutil.copytree(toy_checkpoint, run / f"checkpoint-{step}")
+    assert main(_sweep(run, tmp_path / "out")) == 1
+    assert "failed and were skipped" in _error_lines(capsys.readouterr().err)[-1]
+    rows = read_table(tmp_path / "out")
+    assert sorted({r["step"] for r in rows if not r["error"]}) == [2]
+    assert [r["error"] for r in rows if r["step"] == 1] == ["PanicException: Onig: Regex search error: "
+                                                             "retry-limit-in-match over"]
+
+
 # ---- the child process ------------------------------------------------------------------------------------------
 
 def _run_cases(plan_path: Path, report_path: Path) -> None:
