@@ -96,13 +96,14 @@ def timed_encode(tokenizer, text: str, name: str | None = None, budget: EncodeBu
     start = time.perf_counter()
     ids = call_tokenizer(name, f"encoding a text of {len(text)} characters", tokenizer.encode, text, **kwargs)
     elapsed = time.perf_counter() - start
-    if elapsed > base_s + SLOW_PER_CHAR_S * len(text) or (budget is not None and not budget.charge(elapsed,
-                                                                                                  len(text))):
-        spent = f"{elapsed:.2f}s to encode a text of {len(text)} characters" if budget is None else (
-            f"{budget.seconds:.1f}s to encode {budget.calls} texts of {budget.chars} characters in all")
-        raise TokenizerError(f"tokenizer {name} took {spent} (a genuine tokenizer takes about a microsecond a "
-                             f"character; a pre-tokenizer or normalizer regex that backtracks?). {TOKENIZER_FIX}")
-    return ids
+    if elapsed > base_s + SLOW_PER_CHAR_S * len(text):
+        spent = f"{elapsed:.2f}s to encode a text of {len(text)} characters"
+    elif budget is not None and not budget.charge(elapsed, len(text)):
+        spent = f"{budget.seconds:.1f}s to encode {budget.calls} texts of {budget.chars} characters in all"
+    else:
+        return ids
+    raise TokenizerError(f"tokenizer {name} took {spent} (a genuine tokenizer takes about a microsecond a "
+                         f"character; a pre-tokenizer or normalizer regex that backtracks?). {TOKENIZER_FIX}")
 
 
 @dataclass(frozen=True)

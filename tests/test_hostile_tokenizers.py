@@ -149,6 +149,29 @@ def test_refused_in_one_line_in_time_and_memory(outcomes, name):
     assert "MemoryError" not in row["stderr"] and row["seconds"] < CASE_S, row
 
 
+def test_a_tokenizer_slow_on_every_text_is_refused_after_seconds_not_hours(toy_checkpoint, tmp_path, monkeypatch):
+    """One that passes each encoding's own limit (a short text at ~1 ms a character) is refused once all its
+    encodings took SLOW_TOTAL_S (here 0.3 s) more than a genuine tokenizer could; the genuine toy tokenizer encodes
+    a task's worth of texts under the real limits."""
+    from transformers import AutoTokenizer
+
+    import nano_eval.tokenization as tokenization
+    from nano_eval.tokenization import Tokenization, TokenizerError
+
+    text = "Question: 3 plus 4\nAnswer:"
+    genuine = Tokenization.of(AutoTokenizer.from_pretrained(str(toy_checkpoint)))
+    for _ in range(3000):
+        genuine.text(text)
+    slow = AutoTokenizer.from_pretrained(str(build_case(toy_checkpoint, tmp_path, "tokenizer: backtracking "
+                                                                                   "pre-tokenizer regex")))
+    monkeypatch.setattr(tokenization, "SLOW_TOTAL_S", 0.3)
+    tokens = Tokenization.of(slow)
+    with pytest.raises(TokenizerError, match=r"took .* to encode \d+ texts of \d+ characters in all"):
+        for _ in range(1000):
+            tokens.text(text)
+    assert tokens.budget.calls < 1000
+
+
 def test_a_sweep_goes_on_past_a_checkpoint_whose_tokenizer_panics(toy_checkpoint, tmp_path, capsys):
     """pyo3's PanicException is a BaseException: it used to escape the sweep's `except Exception` and end the
     sweep, the later checkpoints unscored and no table written."""
