@@ -10,9 +10,9 @@ transformers (so a genuine template renders the same text), and with a budget pe
   `MAX_STEPS` + `STEPS_PER_MESSAGE` per message (a genuine template takes tens per message), and at most
   `MAX_SECONDS` of wall time;
 - size: no string or list the template builds (by `*`, `+`, `~`, `%`, a filter or a method) and not the output
-  may be longer than `max_chars` (1 MiB + 16 x the characters of the messages); sizes are checked before the
-  operation where the operation could allocate without bound (repetition, padding, `replace`, `join`), after
-  it otherwise;
+  may be longer than `max_chars` (1 MiB + 16 x the characters of the messages), and all it builds together no
+  more than `TOTAL_SIZES` x that; sizes are checked before the operation where the operation could allocate
+  without bound (repetition, padding, `replace`, `join`), after it otherwise;
 - numbers: integers of more than `MAX_INT_BITS` bits are refused (`9 ** 9 ** 9`).
 
 A template past a limit, one that does not compile, raises or recurses past Python's limit is refused with a
@@ -34,6 +34,7 @@ MAX_SECONDS = 2.0
 BASE_CHARS = 1 << 20
 CHARS_PER_INPUT_CHAR = 16
 MAX_INT_BITS = 4096
+TOTAL_SIZES = 32
 _WIDE_FORMAT = re.compile(r"\d{6,}|\*")  # a %-format or str.format width/precision of a million or more, or `*`
 _RISKY_STR_METHODS = {"expandtabs", "translate", "maketrans", "encode", "zfill", "center", "ljust", "rjust"}
 
@@ -82,10 +83,11 @@ def _sandbox_class():
 
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            self.steps_left, self.deadline, self.max_chars = MAX_STEPS, 0.0, BASE_CHARS
+            self.start(MAX_STEPS, BASE_CHARS)
 
         def start(self, max_steps: int, max_chars: int) -> None:
             self.steps_left, self.deadline, self.max_chars = max_steps, time.monotonic() + MAX_SECONDS, max_chars
+            self.built_left = TOTAL_SIZES * max_chars
 
         def step(self, n: int = 1) -> None:
             self.steps_left -= n
@@ -105,6 +107,10 @@ def _sandbox_class():
                 raise _OverBudget(f"builds an integer of {value.bit_length():,} bits")
             if isinstance(value, (str, list, tuple, dict)):
                 self.size(len(value), type(value).__name__)
+                self.built_left -= len(value)
+                if self.built_left < 0:
+                    raise _OverBudget(f"builds strings and lists of more than {TOTAL_SIZES * self.max_chars:,} "
+                                      "items in all")
             return value
 
         def bounded_loop(self, iterable):
@@ -128,9 +134,10 @@ def _sandbox_class():
         def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 -- Jinja's own signature
             __self.step()
             _check_args(__self, args, kwargs)
-            owner = getattr(__obj, "__self__", None)
+            method = getattr(__obj, "__wrapped__", __obj)  # the sandbox wraps str.format
+            owner = getattr(method, "__self__", None)
             if isinstance(owner, str):
-                _check_str_method(__self, owner, getattr(__obj, "__name__", ""), args, kwargs)
+                _check_str_method(__self, owner, getattr(method, "__name__", ""), args, kwargs)
             return __self.bounded_value(super().call(__context, __obj, *args, **kwargs))
 
         def _parse(self, source, name, filename):

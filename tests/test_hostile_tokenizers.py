@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import re
 import resource
 import shutil
 import signal
@@ -147,6 +148,84 @@ def test_refused_in_one_line_in_time_and_memory(outcomes, name):
     assert row["code"] == 2 and "Traceback" not in row["stderr"], row["stderr"][-3000:]
     assert len(lines) == 1 and expected in lines[0] and "Fix:" in lines[0], row["stderr"][-3000:]
     assert "MemoryError" not in row["stderr"] and row["seconds"] < CASE_S, row
+
+
+# Templates that allocate, loop or compute without bound in other ways than the cases above, each refused in
+# milliseconds by the renderer's budget (nano_eval.chat_template), in this process.
+TEMPLATE_BOMBS = {
+    "{{ 'x'|center(10**9) }}": "passes the number 1,000,000,000",
+    "{{ 'x'.center(100000000) }}": "passes the number 100,000,000",
+    "{{ range(100000)|join('x'*1000) }}": "builds a str of 100,487,890",
+    "{{ '%099999999d' % 1 }}": "formats with a width",
+    "{{ '{:>999999999}'.format('x') }}": "formats with a width",
+    "{{ ('x'*1000000).replace('', 'yy') }}": "builds a str of 3,000,002",
+    "{{ ('a\n' * 400000)|indent(100) }}": "builds a str of 40,800,100",
+    "{{ ('x'*100000)|wordwrap(1, wrapstring='y'*100000) }}": "builds a str of",
+    "{{ {'a': 1}|tojson(indent=10**8) }}": "passes the number 100,000,000",
+    "{{ messages * 10**7 }}": "builds a list of 10,000,000",
+    "{{ 9 ** 99999 }}": "raises 9 to the power 99,999",
+    "{% set ns = namespace(n=2) %}{% for i in range(40) %}{% set ns.n = ns.n * ns.n %}{% endfor %}":
+        "multiplies integers",
+    "{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set s %}{{ ns.s }}{{ ns.s }}{% endset %}"
+    "{% set ns.s = s %}{% endfor %}": "builds a str of 2,097,152",
+    "{% macro f(s) %}{{ s }}{{ s }}{% endmacro %}{% set ns = namespace(s='x') %}{% for i in range(40) %}"
+    "{% set ns.s = f(ns.s) %}{% endfor %}": "builds a str of 2,097,152",
+    "{{ (['x']*1000)|map('center', 1000000)|list|length }}": "in all",
+    "{% set l = range(100000)|list %}{% for a in l %}{% for b in l %}{% endfor %}{% endfor %}": "more steps",
+    "{{ ('x' * 1000).expandtabs(100) }}": "calls str.expandtabs",
+}
+
+
+@pytest.mark.parametrize("source", list(TEMPLATE_BOMBS))
+def test_template_bombs_are_refused_at_once(source):
+    from nano_eval.chat_template import ChatTemplate, ChatTemplateError
+
+    start = time.perf_counter()
+    with pytest.raises(ChatTemplateError, match=re.escape(TEMPLATE_BOMBS[source])):
+        ChatTemplate(source, "'t'").render([{"role": "user", "content": "Question: 3 plus 4"}])
+    assert time.perf_counter() - start < 5
+
+
+# Genuine templates (SmolLM2's ChatML, Llama 3's, Mistral's, a Qwen-like one with namespaces, reversed loops,
+# block sets, tojson, str.format, %-formatting and filters): rendered exactly as transformers renders them.
+GENUINE_TEMPLATES = [
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou"
+    " are a helpful AI assistant<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + "
+    "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\n' }}{% endif %}",
+    "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = '<|start_header_id|>' + "
+    "message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}"
+    "{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}",
+    "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] +"
+    " ' [/INST]' }}{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token}}{% elif "
+    "message['role'] == 'system' %}{{ '<<SYS>>' ~ message['content'] ~ '<</SYS>>' }}{% endif %}{% endfor %}",
+    "{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}{%- for message in "
+    "messages[::-1] %}{%- set index = (messages|length - 1) - loop.index0 %}{%- if ns.multi_step_tool and "
+    "message.role == 'user' %}{%- set ns.multi_step_tool = false %}{%- set ns.last_query_index = index %}{%- endif %}"
+    "{%- endfor %}{%- for message in messages %}{{- '<|im_start|>' + message.role + '\n' + message.content + "
+    "'<|im_end|>' + '\n' }}{%- if loop.last %}{{ {'n': loop.length, 'idx': ns.last_query_index} | tojson(indent=2) }}"
+    "{% endif %}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}{% set x %}"
+    "{{ messages|length }} msgs{% endset %}{{ x|upper }}{{ '%s-%d' % ('a', 3) }}{{ '{} {}'.format('a','b') }}"
+    "{{ messages|map(attribute='role')|join(', ') }}{{ 'ab'|center(6) }}{{ 'a\nb'|indent(2) }}",
+]
+
+
+@pytest.mark.parametrize("index", range(len(GENUINE_TEMPLATES)))
+def test_genuine_templates_render_as_transformers_renders_them(toy_checkpoint, index):
+    from transformers import AutoTokenizer
+
+    from nano_eval.tokenization import chat_renderer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(toy_checkpoint))
+    tokenizer.bos_token, tokenizer.chat_template = "<|endoftext|>", GENUINE_TEMPLATES[index]
+    messages = [{"role": "system", "content": "Add the numbers."}]
+    for i in range(25):  # a 25-shot prompt
+        messages += [{"role": "user", "content": f"Question: {i} plus {i}\nAnswer:"},
+                     {"role": "assistant", "content": str(2 * i)}]
+    messages.append({"role": "user", "content": "Question: 7 plus 8\nAnswer:"})
+    expected = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert chat_renderer(tokenizer)(messages) == expected
 
 
 def test_a_tokenizer_slow_on_every_text_is_refused_after_seconds_not_hours(toy_checkpoint, tmp_path, monkeypatch):
