@@ -5,7 +5,7 @@ Each case below is the toy checkpoint with one of those files edited as a hostil
 template that loops 10^10 times, builds a 5 GB string, recurses or does not parse; a pre-tokenizer regex that
 backtracks (seconds per text) or panics past Onig's retry limit (a BaseException); a normalizer that leaves no
 tokens or inserts 2 MB per character (gigabytes, then a Rust abort); a tokenizer.json whose JSON takes 26x its size
-once parsed; eos_token_id "two". Every case runs through the command line (`nano_eval.cli.main`, as
+once parsed; 100k added tokens (each handled in Python: 24 s to load); eos_token_id "two". Every case runs through the command line (`nano_eval.cli.main`, as
 `python nano_eval/run.py` runs it) in one child process, under an address-space limit of 4 GiB over what its
 imports take, and must end with exit code 2 and one `nano_eval: error:` line, without a traceback, within 60 s.
 The last test is a sweep: a checkpoint whose tokenizer panics is one failed checkpoint, and the next is scored.
@@ -90,6 +90,9 @@ CASES = {
         *_normalizer({"type": "Replace", "pattern": {"String": "e"}, "content": "x" * (2 << 20)}),
         "has a Replace step that inserts 2,097,152 characters", []),
     "tokenizer: JSON that takes 26x its size parsed": (None, _amplifying_json, "JSON values", []),
+    "tokenizer: 100k added tokens": ("tokenizer.json", lambda tokenizer: tokenizer["added_tokens"].extend(
+        {"id": 1000 + i, "content": f"<extra_{i}>", "single_word": False, "lstrip": False, "rstrip": False,
+         "normalized": False, "special": True} for i in range(100_000)), "adds 100,001 tokens", []),
     "generation_config: eos_token_id 'two'": (
         "generation_config.json", lambda config: config.__setitem__("eos_token_id", "two"),
         "has eos_token_id='two'", []),

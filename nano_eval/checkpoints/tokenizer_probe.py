@@ -8,7 +8,8 @@ that ends the process without a word). So:
 
 - `check_tokenizer_json` (the parsed file, before the library loads it): no Replace / Prepend step, in the
   normalizer, pre-tokenizer or decoder, inserts more than `MAX_INSERT_CHARS` characters (genuine ones insert one:
-  "▁"), and no vocabulary entry is longer than `MAX_TOKEN_CHARS` (each generated token decodes to at most that);
+  "▁"), no vocabulary entry is longer than `MAX_TOKEN_CHARS` (each generated token decodes to at most that), and
+  there are at most `MAX_ADDED_TOKENS` added tokens;
 - `probe_tokenizer` (the loaded tokenizer): encodes a short realistic text, then a longer one (1.3k characters),
   timed: refused past PROBE_BASE_S + 100 microseconds a character, where a genuine tokenizer takes ~1 ms in all
   (nano_eval.tokenization also times every encoding of the task's texts, alone and together), and checks that text
@@ -25,6 +26,7 @@ from nano_eval.tokenization import TOKENIZER_FIX, TokenizerError, call_tokenizer
 
 MAX_INSERT_CHARS = 256
 MAX_TOKEN_CHARS = 4096
+MAX_ADDED_TOKENS = 65_536  # transformers handles each in Python: 100k took 24 s to load (Llama 3: 256, Gemma 3: ~6k)
 MAX_TOKENS_PER_CHAR = 4  # byte fallback: one token per UTF-8 byte
 MAX_DECODED_PER_CHAR = 16
 PROBE_BASE_S = 0.2  # the probe's slack over SLOW_PER_CHAR_S a character (a genuine tokenizer: ~1 ms in all)
@@ -54,7 +56,12 @@ def check_tokenizer_json(data: dict, path: Path) -> None:
     vocab = model.get("vocab")
     pieces = vocab.keys() if isinstance(vocab, dict) else (v[0] for v in vocab if isinstance(v, list) and v) \
         if isinstance(vocab, list) else ()
-    added = (t.get("content") for t in data.get("added_tokens") or () if isinstance(t, dict))
+    added_tokens = data.get("added_tokens") if isinstance(data.get("added_tokens"), list) else []
+    if len(added_tokens) > MAX_ADDED_TOKENS:
+        raise CheckpointFileError(path, f"adds {len(added_tokens):,} tokens to its vocabulary (genuine tokenizers add "
+                                  f"hundreds to thousands; loading more than {MAX_ADDED_TOKENS:,} takes minutes)",
+                                  TOKENIZER_FIX.removeprefix("Fix: ")[:-1])
+    added = (t.get("content") for t in added_tokens if isinstance(t, dict))
     longest = max((len(p) for p in (*pieces, *added) if isinstance(p, str)), default=0)
     if longest > MAX_TOKEN_CHARS:
         raise CheckpointFileError(path, f"has a token of {longest:,} characters (genuine vocabularies stay under "
