@@ -38,8 +38,10 @@ CHARS_PER_INPUT_CHAR = 16
 MAX_INT_BITS = 4096
 TOTAL_SIZES = 32
 MAX_TEMPLATE_CHARS = 128 << 10
-_WIDE_FORMAT = re.compile(r"\d{6,}|\*")  # a %-format or str.format width/precision of a million or more, or `*`
-_RISKY_STR_METHODS = {"expandtabs", "translate", "maketrans", "encode", "zfill", "center", "ljust", "rjust"}
+_WIDE_FORMAT = re.compile(r"\d{6,}|\*")  # a %-format or str.format width/precision of six digits or more, or `*`
+# str methods that can multiply a string's length by an argument that is not a number (padding to a width is
+# bounded by the check on numbers): a chat template never needs them
+_REFUSED_STR_METHODS = {"expandtabs", "translate", "maketrans", "encode"}
 
 
 class ChatTemplateError(NanoEvalError):
@@ -186,9 +188,7 @@ def _check_binop(env, op: str, left, right) -> None:
 
 
 def _check_str_method(env, s: str, name: str, args, kwargs) -> None:
-    if name in _RISKY_STR_METHODS:  # padding to a width: bounded by the int check; the others: never needed
-        if name in ("zfill", "center", "ljust", "rjust"):
-            return
+    if name in _REFUSED_STR_METHODS:
         raise _OverBudget(f"calls str.{name}, which a chat template never needs")
     if name == "format":
         _check_format(env, s)

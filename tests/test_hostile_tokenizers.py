@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import re
 import resource
 import shutil
@@ -63,6 +64,13 @@ def _amplifying_json(folder: Path) -> None:
         fh.write(text[:-1] + ', "padding_objects": [' + "{}," * 60_000_000 + "{}]}")
 
 
+def _gigabyte_template(folder: Path) -> None:
+    """chat_template.jinja of 1 GiB (sparse: no disk used), which transformers reads whole when it loads the
+    tokenizer."""
+    with (folder / "chat_template.jinja").open("wb") as fh:
+        fh.truncate(1 << 30)
+
+
 # name: (file, edit of its JSON | function of the folder, what the error line says, extra arguments)
 CASES = {
     "template: nested range(100000) loops": (
@@ -93,6 +101,7 @@ CASES = {
     "tokenizer: 100k added tokens": ("tokenizer.json", lambda tokenizer: tokenizer["added_tokens"].extend(
         {"id": 1000 + i, "content": f"<extra_{i}>", "single_word": False, "lstrip": False, "rstrip": False,
          "normalized": False, "special": True} for i in range(100_000)), "adds 100,001 tokens", []),
+    "template: a 1 GiB chat_template.jinja": (None, _gigabyte_template, "chat_template.jinja: is 1.0 GiB", []),
     "generation_config: eos_token_id 'two'": (
         "generation_config.json", lambda config: config.__setitem__("eos_token_id", "two"),
         "has eos_token_id='two'", []),
@@ -129,7 +138,7 @@ def outcomes(toy_checkpoint, tmp_path_factory) -> dict:
     report = root / "report.jsonl"
     done = subprocess.run([sys.executable, "-m", "tests.test_hostile_tokenizers", str(root / "plan.json"),
                            str(report)], capture_output=True, text=True, timeout=CASE_S * (len(plan) + 1),
-                          cwd=REPO, env={**__import__("os").environ, "RUST_BACKTRACE": "0",
+                          cwd=REPO, env={**os.environ, "RUST_BACKTRACE": "0",
                                          "TOKENIZERS_PARALLELISM": "false"})
     got = {row["name"]: row for row in map(json.loads, report.read_text().splitlines())} if report.exists() else {}
     assert done.returncode == 0 and len(got) == len(plan), (

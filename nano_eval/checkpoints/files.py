@@ -11,6 +11,7 @@ from pathlib import Path
 
 from nano_eval.checkpoints.untrusted import (CONFIG_BYTES, TOKENIZER_BYTES, CheckpointFileError, FilePolicy,
                                              Folder, parse_json)
+from nano_eval.chat_template import MAX_TEMPLATE_CHARS
 from nano_eval.checkpoints.tokenizer_probe import check_tokenizer_json, probe_tokenizer
 from nano_eval.errors import NanoEvalError, is_rust_panic
 
@@ -125,6 +126,12 @@ def check_tokenizer_folder(folder: Folder) -> None:
                         raise CheckpointFileError(folder.root / name, f"names {key}={value!r:.100}, not a file of "
                                                   "the tokenizer folder", f"remove {key} from {name}")
                     folder.file(value)
+    templates = [name for name in ("chat_template.jinja", "chat_template.json") if folder.has(name)]
+    if (folder.root / "additional_chat_templates").is_dir():
+        templates += [f"additional_chat_templates/{p.name}" for p in sorted(
+            (folder.root / "additional_chat_templates").iterdir())]
+    for name in templates:  # transformers reads them whole; nano_eval refuses longer templates anyway
+        folder.read_bytes(name, 4 * MAX_TEMPLATE_CHARS)
     if folder.has("tokenizer.json"):
         data = folder.read_json("tokenizer.json", TOKENIZER_BYTES)
         if isinstance(data, dict):
