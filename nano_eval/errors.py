@@ -47,3 +47,10 @@ def describe_failures(failures: list[tuple[int, str]]) -> str:
     first_rank, first = failures[0]
     more = f" (first: rank {first_rank})" if len(failures) > 1 else ""
     return f"rank{'s' if len(failures) > 1 else ''} {ranks}{more}: {first}"
+
+
+def is_rust_panic(error: BaseException) -> bool:
+    """A Rust library's panic surfacing in Python (pyo3's PanicException, e.g. the tokenizers library on a regex past
+    Onig's retry limit): a BaseException, so `except Exception` misses it; it says nothing about the process's
+    state, so it is one bad input like any other."""
+    return type(error).__name__ == "PanicException"

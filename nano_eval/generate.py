@@ -23,6 +23,7 @@ from nano_eval.lockstep import Lockstep, padded_batch
 from nano_eval.parallel import broadcast_tensor_from_output_stage
 from nano_eval.rows import Row, last_position_row, make_batch
 from nano_eval.scoring import VocabShard, argmax_tokens
+from nano_eval.tokenization import decode_text
 
 
 @dataclass(frozen=True)
@@ -107,7 +108,7 @@ def greedy_decode(backend: Backend, rows: Sequence[Row], pad_id: int, eos_ids: C
                 if ends[i] is None or lockstep:
                     fed[i].append(t)
                 if ends[i] is None and (len(fed[i]) == max_new
-                                        or _hit_stop(tok.decode(fed[i], skip_special_tokens=True), stops)):
+                                        or _hit_stop(decode_text(tok, fed[i]), stops)):
                     ends[i] = len(fed[i])
                 if ends[i] is None or lockstep:
                     keep.append(k)
@@ -122,7 +123,7 @@ def greedy_decode(backend: Backend, rows: Sequence[Row], pad_id: int, eos_ids: C
             if agreement.stopped or agreement.error is not None:
                 break  # some rank failed: the caller's settle raises
             choice, gen = prompt.choices[0], tokens[:end]
-            out[choice.key] = GenerationResult(text=_cut_at_stop(tok.decode(gen, skip_special_tokens=True), stops),
+            out[choice.key] = GenerationResult(text=_cut_at_stop(decode_text(tok, gen), stops),
                                                tokens=gen, input_tokens=prompt.context, truncated=choice.truncated)
     if own:
         agreement.settle()

@@ -11,7 +11,9 @@ from pathlib import Path
 
 from nano_eval.checkpoints.untrusted import (CONFIG_BYTES, TOKENIZER_BYTES, CheckpointFileError, FilePolicy,
                                              Folder, parse_json)
-from nano_eval.errors import NanoEvalError
+from nano_eval.chat_template import MAX_TEMPLATE_CHARS
+from nano_eval.checkpoints.tokenizer_probe import check_tokenizer_json, probe_tokenizer
+from nano_eval.errors import NanoEvalError, is_rust_panic
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model",
                    "vocab.txt")
@@ -124,15 +126,24 @@ def check_tokenizer_folder(folder: Folder) -> None:
                         raise CheckpointFileError(folder.root / name, f"names {key}={value!r:.100}, not a file of "
                                                   "the tokenizer folder", f"remove {key} from {name}")
                     folder.file(value)
+    templates = [name for name in ("chat_template.jinja", "chat_template.json") if folder.has(name)]
+    if (folder.root / "additional_chat_templates").is_dir():
+        templates += [f"additional_chat_templates/{p.name}" for p in sorted(
+            (folder.root / "additional_chat_templates").iterdir())]
+    for name in templates:  # transformers reads them whole; nano_eval refuses longer templates anyway
+        folder.read_bytes(name, 4 * MAX_TEMPLATE_CHARS)
     if folder.has("tokenizer.json"):
-        folder.read_json("tokenizer.json", TOKENIZER_BYTES)
+        data = folder.read_json("tokenizer.json", TOKENIZER_BYTES)
+        if isinstance(data, dict):
+            check_tokenizer_json(data, folder.root / "tokenizer.json")
 
 
 def load_tokenizer(source: str, checkpoint: str | Path, *, trust_remote_code: bool = False,
                    policy: FilePolicy = FilePolicy()):
     """AutoTokenizer.from_pretrained(source), with one clear error naming `source` and `--tokenizer` when it
-    fails (`checkpoint`: what is being loaded, for the message). A local folder is checked first as untrusted
-    input (check_tokenizer_folder); a name that is not a local path is a Hub id."""
+    fails or panics (`checkpoint`: what is being loaded, for the message). A local folder is checked first as
+    untrusted input (check_tokenizer_folder); a name that is not a local path is a Hub id. The loaded tokenizer is
+    probed (tokenizer_probe.probe_tokenizer) before any task text is given to it."""
     from transformers import AutoTokenizer
 
     local = Path(source).expanduser()
@@ -145,9 +156,15 @@ def load_tokenizer(source: str, checkpoint: str | Path, *, trust_remote_code: bo
             raise CheckpointFileError(e.path, f"{e.what} (tokenizer of checkpoint {checkpoint})",
                                       fix.removeprefix("Fix: ").rstrip(".")) from e
     try:
-        return AutoTokenizer.from_pretrained(str(local) if local.exists() else source,
-                                             trust_remote_code=trust_remote_code)
-    except Exception as e:  # noqa: BLE001 -- OSError, ValueError, tokenizers' own errors: all end in the same advice
+        tokenizer = AutoTokenizer.from_pretrained(str(local) if local.exists() else source,
+                                                  trust_remote_code=trust_remote_code)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # noqa: BLE001 -- OSError, ValueError, tokenizers' own errors and Rust panics
+        if not isinstance(e, Exception) and not is_rust_panic(e):
+            raise
         first = " ".join(str(e).split())[:300]
         raise NanoEvalError(f"checkpoint {checkpoint}: the tokenizer {source} does not load ({type(e).__name__}: "
-                            f"{first}). {fix}") from e
+                            f"{first}). {fix}") from None
+    probe_tokenizer(tokenizer, repr(source))
+    return tokenizer

@@ -153,6 +153,11 @@ def check_model_dir(path: str, policy: FilePolicy = FilePolicy()) -> Folder | No
     if "model_type" not in configs["config.json"]:
         raise NanoEvalError(f"checkpoint {path}: {p / 'config.json'} has no model_type, so transformers cannot tell "
                             "which model it is. Fix: restore config.json from the run that saved the checkpoint.")
+    eos = configs.get("generation_config.json", {}).get("eos_token_id")
+    if eos is not None and not all(type(i) is int and i >= 0 for i in (eos if isinstance(eos, list) else [eos])):
+        raise CheckpointFileError(folder.root / "generation_config.json", f"has eos_token_id={eos!r:.100}, not a "
+                                  "token id or a list of token ids", "correct eos_token_id (or remove it: the "
+                                  "tokenizer's EOS is used)")
     files = weight_files(folder)
     check_safetensors([f for f in files if f.suffix == ".safetensors"], path)
     return folder

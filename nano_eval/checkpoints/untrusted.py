@@ -25,6 +25,10 @@ MAX_ENTRIES = 200_000  # files and folders under one checkpoint (a 1000-layer na
 CONFIG_BYTES = 64 << 20  # config.json, config.yaml, checkpoint_metadata.json, index files ...
 TOKENIZER_BYTES = 512 << 20  # tokenizer.json of a large vocabulary is ~30 MB
 YAML_NODES = 1_000_000  # nodes of a YAML document once its aliases are expanded
+# Values of a JSON document, counted from its `{`, `[` and `,` before parsing: Python holds each in 30-70 bytes
+# (`[{},{},...]` takes 26x its size), so this bounds a parse at ~1 GB. The largest genuine files (tokenizer.json
+# of a 256k vocabulary, a safetensors header of thousands of tensors) have ~2M.
+JSON_NODES = 12_000_000
 
 
 class CheckpointFileError(NanoEvalError):
@@ -181,6 +185,10 @@ def _kind(mode: int) -> str:
 
 
 def parse_json(data: bytes, path: str | Path):
+    nodes = data.count(b"{") + data.count(b"[") + data.count(b",")
+    if nodes > JSON_NODES:
+        raise CheckpointFileError(path, f"holds about {nodes:,} JSON values, more than any configuration or "
+                                  f"tokenizer ({JSON_NODES:,}); parsing it would take gigabytes")
     try:
         return json.loads(data.decode("utf-8"))
     except json.JSONDecodeError as e:

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from nano_eval.checkpoints.load import fingerprint
-from nano_eval.errors import EvaluationFailed, NanoEvalError, TasksFailedError
+from nano_eval.errors import EvaluationFailed, NanoEvalError, TasksFailedError, is_rust_panic
 from nano_eval.job import EvalJob, evaluate_checkpoint
 from nano_eval.parallel import any_rank_true
 from nano_eval.sweep.discovery import (Checkpoint, Settler, consumed_tokens, discover, has_marker, is_checkpoint_dir,
@@ -344,7 +344,9 @@ class SweepRunner:
             evaluate_item(self.job, self.tasks, self.run_dir, item)
         except dist.DistBackendError:
             raise  # a rank that does not answer is not this checkpoint's fault: the command reports it
-        except Exception as e:  # noqa: BLE001 -- recorded and skipped: one broken checkpoint never stops a sweep
+        except BaseException as e:  # noqa: BLE001 -- recorded and skipped: one broken checkpoint never stops a sweep
+            if not isinstance(e, Exception) and not is_rust_panic(e):
+                raise  # Ctrl-C, SystemExit; a Rust library's panic (a checkpoint's tokenizer) is the checkpoint's
             if dist.is_initialized() and "gloo" in str(e).lower() and "timed out" in str(e).lower():
                 raise  # gloo's collective timeout is a plain RuntimeError
             error = e

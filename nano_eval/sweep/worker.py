@@ -26,6 +26,7 @@ from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 
+from nano_eval.errors import is_rust_panic
 from nano_eval.job import EvalJob
 from nano_eval.sweep.runner import WorkItem, evaluate_item, finished_identity, free_memory
 from nano_eval.tracking.wandb_logger import one_line
@@ -68,7 +69,9 @@ def run_group(job: EvalJob, run_dir: str, items: list[WorkItem], dist_timeout_s:
                 if main:
                     print(f"nano_eval job: {name} (step {item.ckpt.step}): evaluated in "
                           f"{time.perf_counter() - start:.1f}s", flush=True)
-            except Exception as e:  # noqa: BLE001 -- recorded; the group's other checkpoints still run
+            except BaseException as e:  # noqa: BLE001 -- recorded; the group's other checkpoints still run
+                if not isinstance(e, Exception) and not is_rust_panic(e):
+                    raise  # Ctrl-C, SystemExit; a Rust library's panic (a checkpoint's tokenizer) is the checkpoint's
                 failed.append(f"{name} (step {item.ckpt.step}): {one_line(e, limit=1000)}")
                 if main:
                     import traceback
