@@ -100,7 +100,13 @@ def real_dir(path: str | Path, *, root: str | Path | None = None, create: bool =
     existence). Raises LocalFileError naming the offending component."""
     path = Path(path)
     root = Path(root) if root is not None else path
-    for part in _below(root, path) if path != root else []:
+    parts = _below(root, path) if path != root else []
+    if create and not os.path.isdir(root):
+        try:
+            os.makedirs(root, exist_ok=True)
+        except OSError as e:
+            raise LocalFileError(root, f"cannot be created ({e.strerror or e})", fix) from None
+    for part in parts:
         try:
             st = os.lstat(part)
         except FileNotFoundError:
@@ -116,11 +122,6 @@ def real_dir(path: str | Path, *, root: str | Path | None = None, create: bool =
         if not stat.S_ISDIR(st.st_mode):
             raise LocalFileError(part, f"is a {kind_of(st.st_mode)}, not a folder" + (
                 f" (it points to {printable(os.path.realpath(part))})" if stat.S_ISLNK(st.st_mode) else ""), fix)
-    if create and not os.path.isdir(root):
-        try:
-            os.makedirs(root, exist_ok=True)
-        except OSError as e:
-            raise LocalFileError(root, f"cannot be created ({e.strerror or e})", fix) from None
     return path
 
 

@@ -10,13 +10,22 @@ Merge: the driver holds the output folder's lock (lock.py) for the whole sweep; 
 results files of that job's checkpoints (only results carrying the planned evaluation identity count) and rewrites
 the table (and, with --watch, the report) -- the same files, built the same way, as the sequential sweep.
 
+What the driver trusts: nothing in the output folder is unpickled or executed by it. submitit's pickles live in
+`<out>/jobs`, a folder owned by this user and writable by no one else (private_jobs_dir). A job's outcome comes
+from plain JSON only: its status file `<out>/jobs/status/<submission>.json` (worker.status_path; `submission` a
+random id the driver gives each job) and each checkpoint's results.json carrying the planned evaluation identity;
+submitit's result pickle is never read.
+
 Faults: a job that raises, is killed, runs out of time or memory is reported with its log path and resubmitted
 once with the checkpoints it left unscored (the ones it finished are not redone); a second failure records those
 checkpoints as failed (table `error` column, exit code 1). Re-running the command reuses every finished
 checkpoint, so it is idempotent. SIGINT / SIGTERM cancel the jobs still running (scancel under Slurm) and keep
 what they finished. The driver should stay alive while the jobs run (a login-node shell, tmux, or its own small
 job); if it dies anyway, the jobs go on, and the next run of the command finds them in `<out>/jobs/running.json`
-and waits for them instead of scoring their checkpoints a second time. Checkpoints are recorded there before
+and waits for them instead of scoring their checkpoints a second time -- only jobs it can prove are this sweep's
+(their status file carries the submission id running.json recorded, and a local job's process is a submitit
+controller of this jobs folder run by this user); running.json is schema-checked, and one that cannot be read is
+refused (exit 2) with the file named. Checkpoints are recorded there before
 their jobs are submitted; should the driver die during a submission, a job never scores a checkpoint another job
 is scoring or has scored (the job holds `<out>/jobs/claims/<checkpoint>.lock` while it decides and scores).
 """
