@@ -25,9 +25,9 @@ job); if it dies anyway, the jobs go on, and the next run of the command finds t
 and waits for them instead of scoring their checkpoints a second time -- only jobs it can prove are this sweep's
 (their status file carries the submission id running.json recorded, and a local job's process is a submitit
 controller of this jobs folder run by this user); running.json is schema-checked, and one that cannot be read is
-refused (exit 2) with the file named. Checkpoints are recorded there before
-their jobs are submitted; should the driver die during a submission, a job never scores a checkpoint another job
-is scoring or has scored (the job holds `<out>/jobs/claims/<checkpoint>.lock` while it decides and scores).
+refused (exit 2) with the file named. Checkpoints are recorded there before their jobs are submitted; should the
+driver die during a submission, a job never scores a checkpoint another job is scoring or has scored (the job holds
+`<out>/jobs/claims/<checkpoint>.lock` while it decides and scores).
 """
 
 from __future__ import annotations

@@ -4,8 +4,9 @@ process(es), each exactly as the sequential sweep would, each written atomically
 submitit pickles `run_group` and its arguments (into `<out>/jobs/`, a folder the driver makes private to its user:
 launch.private_jobs_dir) and starts the job (a local process, or an sbatch job whose `srun` starts one process per
 GPU). The driver learns the outcome from plain JSON, never from submitit's result pickle: the job's status file
-(`status_path`) and each checkpoint's results.json with the evaluation identity. With several tasks in a job (`--nodes` x
-`--gpus-per-node`) each task is one rank: submitit's TorchDistributedEnvironment gives it RANK / WORLD_SIZE /
+(`status_path`) and each checkpoint's results.json with the evaluation identity.
+
+With several tasks in a job (`--nodes` x `--gpus-per-node`) each task is one rank: submitit's TorchDistributedEnvironment gives it RANK / WORLD_SIZE /
 MASTER_ADDR / MASTER_PORT, the ranks join one process group and evaluate each checkpoint data-parallel (or in the
 `--backend nanotron --tp --pp` layout), as under torchrun; rank 0 writes.
 
