@@ -68,7 +68,7 @@ def evaluate_checkpoint(job: EvalJob, tasks: list, checkpoint: str, out_dir: str
             doc = results_document(results, layout=backend.layout, config=job.config_section(),
                                    checkpoint=checkpoint_identity(checkpoint), step=step,
                                    consumed_tokens=consumed_tokens, extra=extra)
-            write_results(out_dir, doc, results, details=job.details)
+            write_results(out_dir, doc, results, details=job.details, root=job.output_dir)
     except Exception as e:  # noqa: BLE001 -- raised on every rank together
         error = e
     raise_together(error)

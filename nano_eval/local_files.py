@@ -100,7 +100,13 @@ def real_dir(path: str | Path, *, root: str | Path | None = None, create: bool =
     existence). Raises LocalFileError naming the offending component."""
     path = Path(path)
     root = Path(root) if root is not None else path
-    for part in _below(root, path) if path != root else []:
+    parts = _below(root, path) if path != root else []
+    if create and not os.path.isdir(root):
+        try:
+            os.makedirs(root, exist_ok=True)
+        except OSError as e:
+            raise LocalFileError(root, f"cannot be created ({e.strerror or e})", fix) from None
+    for part in parts:
         try:
             st = os.lstat(part)
         except FileNotFoundError:
@@ -116,11 +122,6 @@ def real_dir(path: str | Path, *, root: str | Path | None = None, create: bool =
         if not stat.S_ISDIR(st.st_mode):
             raise LocalFileError(part, f"is a {kind_of(st.st_mode)}, not a folder" + (
                 f" (it points to {printable(os.path.realpath(part))})" if stat.S_ISLNK(st.st_mode) else ""), fix)
-    if create and not os.path.isdir(root):
-        try:
-            os.makedirs(root, exist_ok=True)
-        except OSError as e:
-            raise LocalFileError(root, f"cannot be created ({e.strerror or e})", fix) from None
     return path
 
 
@@ -236,6 +237,16 @@ def atomic_write_bytes(path: str | Path, data: bytes, *, root: str | Path | None
     permissions the umask allows, then renamed over `path` (a symlink there is replaced, not followed). Folders
     below `root` (default: the file's folder) are made as needed and must not be symlinks."""
     path = Path(path)
+    tmp = write_temporary(path, data, root=root)
+    move_into_place(tmp, path)
+
+
+def write_temporary(path: str | Path, data: bytes, *, root: str | Path | None = None) -> Path:
+    """The first half of `atomic_write_bytes`: `data` in a new, uniquely named, fsynced temporary file next to
+    `path` (`.<name>.<random>.tmp`, given the permissions the umask allows), after checking that `path` can be
+    replaced (`check_file_slot`). The caller moves it into place (`move_into_place`) or removes it. Several files
+    prepared this way can replace their names together, after every write has succeeded."""
+    path = Path(path)
     check_file_slot(path, root=root)
     real_dir(path.parent, root=root if root is not None else path.parent, create=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -245,6 +256,17 @@ def atomic_write_bytes(path: str | Path, data: bytes, *, root: str | Path | None
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, 0o666 & ~current_umask())
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return Path(tmp)
+
+
+def move_into_place(tmp: str | Path, path: str | Path) -> None:
+    """Rename the temporary file `tmp` (from `write_temporary`) over the name `path` (a symlink there is replaced,
+    not followed); `tmp` is removed if that fails."""
+    path = Path(path)
+    try:
         os.replace(tmp, path)
     except IsADirectoryError:
         Path(tmp).unlink(missing_ok=True)
@@ -268,8 +290,9 @@ def current_umask() -> int:
 
 
 def append_text(path: str | Path, text: str, *, root: str | Path | None = None) -> None:
-    """Append `text` to the regular file `path` (created if missing), opened with O_NOFOLLOW | O_NONBLOCK and
-    checked with fstat: a FIFO or symlink planted there is refused instead of blocking or writing elsewhere."""
+    """Append `text` to the regular file `path` (created if missing) in one write, then fsync; opened with
+    O_NOFOLLOW | O_NONBLOCK and checked with fstat: a FIFO or symlink planted there is refused instead of blocking
+    or writing elsewhere."""
     path = Path(path)
     real_dir(path.parent, root=root if root is not None else path.parent, create=True)
     flags = (os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0)
@@ -286,3 +309,39 @@ def append_text(path: str | Path, text: str, *, root: str | Path | None = None) 
             raise LocalFileError(path, f"is a {kind_of(os.fstat(fd).st_mode)}, not a regular file",
                                  "remove it, or choose another folder")
         fh.write(text.encode("utf-8"))
+        fh.flush()
+        os.fsync(fd)
+
+
+def lock_file(path: str | Path, *, root: str | Path | None = None, blocking: bool = False) -> int | None:
+    """An exclusive OS lock (flock) on the regular file `path` (created if missing; opened with O_NOFOLLOW |
+    O_NONBLOCK and checked with fstat, so a symlink planted there is neither followed nor truncated): the open
+    descriptor, which holds the lock until closed (the kernel releases it when the process dies), or None when
+    another holder has it and not `blocking`."""
+    import fcntl
+
+    path = Path(path)
+    real_dir(path.parent, root=root if root is not None else path.parent, create=True)
+    flags = (os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+    fix = "remove it (nano_eval makes it anew), or choose another folder"
+    try:
+        fd = os.open(path, flags, 0o666 & ~current_umask())
+    except OSError as e:
+        kind = entry_kind(path)
+        raise LocalFileError(path, f"is a {kind}, not a regular file" if kind not in (None, "regular file")
+                             else f"cannot be opened ({e.strerror or e})", fix) from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise LocalFileError(path, f"is a {kind_of(os.fstat(fd).st_mode)}, not a regular file", fix)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+        except BlockingIOError:
+            os.close(fd)
+            return None
+    except BaseException:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+        raise
+    return fd

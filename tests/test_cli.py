@@ -257,7 +257,7 @@ def _blocked_outputs(tmp_path: Path) -> dict[str, tuple[Path, str]]:
     return {"is a file": (tmp_path / "a_file", "is a file, not a folder"),
             "inside a file": (tmp_path / "a_file" / "sub" / "out", "a_file is a file, not a folder"),
             "results.json is a folder": (tmp_path / "results_dir", "results.json is a folder"),
-            "details is a file": (tmp_path / "details_file", "details is a file, not a folder")}
+            "details is a file": (tmp_path / "details_file", "details is a regular file, not a folder")}
 
 
 @pytest.mark.parametrize("command", ["eval", "sweep"])

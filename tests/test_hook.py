@@ -223,7 +223,7 @@ def test_failures_are_agreed_by_all_ranks(toy_checkpoint, tmp_path):
         assert seen["alive"] == 2
         assert [seen[(True, s)] for s in (1, 2, 3, 4)] == ["ok", "none", "none", "ok"]
         assert seen[(False, 1)] == seen[(False, 4)] == "ok"
-        assert seen[(False, 2)].startswith("raised: evaluation at step 2 failed on rank 0: IsADirectoryError")
+        assert seen[(False, 2)].startswith("raised: evaluation at step 2 failed on rank 0: LocalFileError")
         assert seen[(False, 3)].startswith(
             "raised: evaluation at step 3 failed on ranks 0, 1 (first: rank 0): RuntimeError: injected forward")
     assert per_rank[0] == per_rank[1]  # every rank took the same branch with the same message

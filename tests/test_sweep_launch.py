@@ -305,7 +305,7 @@ def test_a_jobs_ranks_take_rank_0s_reuse_decision(tmp_path):
 
     done, missing = tmp_path / "done", tmp_path / "missing"
     done.mkdir()
-    (done / "results.json").write_text(json.dumps({"sweep": {"evaluation_identity": "identity-1"}}))
+    (done / "results.json").write_text(json.dumps({"sweep": {"evaluation_identity": "identity-1"}, "results": {}}))
     assert run_distributed(_reuse_seen_by, 2, [str(done), str(missing)]) == [True, True]
     assert run_distributed(_reuse_seen_by, 2, [str(missing), str(done)]) == [False, False]
 
@@ -359,7 +359,8 @@ def _hold_claim_then_finish(out: str, name: str, identity: str, hold_s: float) -
         Path_(out, "ready").write_text("1")
         time_.sleep(hold_s)
         Path_(out, name).mkdir()
-        Path_(out, name, "results.json").write_text(json_.dumps({"sweep": {"evaluation_identity": identity}}))
+        Path_(out, name, "results.json").write_text(json_.dumps({"sweep": {"evaluation_identity": identity},
+                                                                 "results": {}}))
 
 
 def test_a_job_waits_for_the_job_scoring_the_same_checkpoint_then_reuses_it(tmp_path, capsys):

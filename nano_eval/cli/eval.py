@@ -77,7 +77,11 @@ def evaluate(job, checkpoint: str):
     from nano_eval.job import evaluate_checkpoint
     from nano_eval.tasks import load_tasks
 
+    from nano_eval.tracking.results import output_files
+
     tasks = load_tasks(job.tasks, custom_tasks=job.custom_tasks, data_dir=job.data_dir)
+    # every file this run will write (details of these tasks included), checked before the model loads
+    check_output_paths(job.output_dir, files=output_files([spec.key for spec, _ in tasks], details=job.details))
     return evaluate_checkpoint(job, tasks, checkpoint, job.output_dir)
 
 

@@ -101,23 +101,30 @@ def launch_options(args: argparse.Namespace) -> LaunchOptions:
 
 def check_sweep_output(args: argparse.Namespace) -> None:
     """Refuse an output folder the sweep could not write in, before any checkpoint loads (exit 2)."""
-    from nano_eval.sweep.lock import SETTINGS_NAME
-    from nano_eval.sweep.report import REPORT_DIR
-    from nano_eval.sweep.table import CSV_NAME, SIGNAL_CSV_NAME
+    from nano_eval.sweep.launch import RUNNING_NAME
+    from nano_eval.sweep.lock import LOCK_NAME, OWNER_NAME, SETTINGS_NAME
+    from nano_eval.sweep.report import HTML_NAME, REPORT_DIR
+    from nano_eval.sweep.table import CSV_NAME, PARQUET_NAME, SIGNAL_CSV_NAME, SIGNAL_PARQUET_NAME
+    from nano_eval.sweep.worker import CLAIMS_DIR, STATUS_DIR
 
-    folders = ([] if args.no_report else [REPORT_DIR]) + ([JOBS_DIR] if args.launcher else [])
-    check_output_paths(args.output_dir, folders=folders, files=[CSV_NAME, SIGNAL_CSV_NAME, SETTINGS_NAME])
+    folders = ([] if args.no_report else [REPORT_DIR]) + (
+        [JOBS_DIR, f"{JOBS_DIR}/{CLAIMS_DIR}", f"{JOBS_DIR}/{STATUS_DIR}"] if args.launcher else [])
+    files = [CSV_NAME, PARQUET_NAME, SIGNAL_CSV_NAME, SIGNAL_PARQUET_NAME, SETTINGS_NAME, LOCK_NAME, OWNER_NAME,
+             *([] if args.no_report else [f"{REPORT_DIR}/{HTML_NAME}"]),
+             *([f"{JOBS_DIR}/{RUNNING_NAME}"] if args.launcher else [])]
+    check_output_paths(args.output_dir, folders=folders, files=files)
 
 
 def print_results(args: argparse.Namespace, summary, seconds: float) -> None:
     """Rank 0, at the end: the results table (one line per task x metric, the last checkpoints as columns), the
     counts, and where the table, the report and the job logs are."""
     from nano_eval.sweep.report import HTML_NAME, REPORT_DIR
+    from nano_eval.local_files import printable
     from nano_eval.sweep.table import CSV_NAME, read_table, text_table
 
     table = os.path.join(args.output_dir, CSV_NAME)
-    if os.path.isfile(table):
-        print("\n" + text_table(read_table(args.output_dir)))
+    if os.path.isfile(table) and not os.path.islink(table):
+        print("\n" + "\n".join(printable(line) for line in text_table(read_table(args.output_dir)).splitlines()))
     report = os.path.join(args.output_dir, REPORT_DIR, HTML_NAME)
     print(f"\nsweep of {args.run_dir}: {len(summary.evaluated)} evaluated, {len(summary.reused)} reused, "
           f"{len(summary.incomplete)} skipped as unfinished, {len(summary.failed)} failed, in {seconds:.1f}s\n"

@@ -10,23 +10,33 @@ Merge: the driver holds the output folder's lock (lock.py) for the whole sweep; 
 results files of that job's checkpoints (only results carrying the planned evaluation identity count) and rewrites
 the table (and, with --watch, the report) -- the same files, built the same way, as the sequential sweep.
 
+What the driver trusts: nothing in the output folder is unpickled or executed by it. submitit's pickles live in
+`<out>/jobs`, a folder owned by this user and writable by no one else (private_jobs_dir). A job's outcome comes
+from plain JSON only: its status file `<out>/jobs/status/<submission>.json` (worker.status_path; `submission` a
+random id the driver gives each job) and each checkpoint's results.json carrying the planned evaluation identity;
+submitit's result pickle is never read.
+
 Faults: a job that raises, is killed, runs out of time or memory is reported with its log path and resubmitted
 once with the checkpoints it left unscored (the ones it finished are not redone); a second failure records those
 checkpoints as failed (table `error` column, exit code 1). Re-running the command reuses every finished
 checkpoint, so it is idempotent. SIGINT / SIGTERM cancel the jobs still running (scancel under Slurm) and keep
 what they finished. The driver should stay alive while the jobs run (a login-node shell, tmux, or its own small
 job); if it dies anyway, the jobs go on, and the next run of the command finds them in `<out>/jobs/running.json`
-and waits for them instead of scoring their checkpoints a second time. Checkpoints are recorded there before
-their jobs are submitted; should the driver die during a submission, a job never scores a checkpoint another job
-is scoring or has scored (the job holds `<out>/jobs/claims/<checkpoint>.lock` while it decides and scores).
+and waits for them instead of scoring their checkpoints a second time -- only jobs it can prove are this sweep's
+(their status file carries the submission id running.json recorded, and a local job's process is a submitit
+controller of this jobs folder run by this user); running.json is schema-checked, and one that cannot be read is
+refused (exit 2) with the file named. Checkpoints are recorded there before their jobs are submitted; should the
+driver die during a submission, a job never scores a checkpoint another job is scoring or has scored (the job holds
+`<out>/jobs/claims/<checkpoint>.lock` while it decides and scores).
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
+import secrets
 import signal
+import stat
 import sys
 import time
 from dataclasses import dataclass
@@ -97,22 +107,57 @@ def make_executor(o: LaunchOptions, folder: Path):
     return executor
 
 
+def private_jobs_dir(out: Path) -> Path:
+    """`<out>/jobs`, made if missing, as a real folder (no symlink below `out`) owned by this user and writable by
+    no one else: submitit keeps its pickles there (the job unpickles its function from it), so no other user may
+    put a file there. A folder owned by someone else is refused (exit 2); group / other write bits of our own are
+    taken away."""
+    from nano_eval.local_files import LocalFileError, real_dir
+
+    folder = real_dir(out / JOBS_DIR, root=out, create=True)
+    st = os.lstat(folder)
+    if st.st_uid != os.getuid():
+        raise LocalFileError(folder, f"belongs to another user (uid {st.st_uid}); submitit's job files there could "
+                             "be replaced by them", "remove it, or pass another --output-dir")
+    if st.st_mode & 0o022:
+        os.chmod(folder, stat.S_IMODE(st.st_mode) & ~0o022)
+    return folder
+
+
 class OrphanLocalJob:
-    """A local job whose driver died (its controller process was re-parented): followed by the controller's pid,
-    the local job id. Answers the few questions the driver asks of a submitit Job."""
+    """A local job whose driver died (its controller process was re-parented), adopted by a restarted driver only
+    after `proof` holds. Answers the few questions the driver asks of a submitit Job; never reads its pickles."""
 
     def __init__(self, folder: Path, job_id: str):
-        from submitit.local.local import LocalJob
+        from submitit.core.utils import JobPaths
 
-        self._job = LocalJob(folder=folder, job_id=job_id)
-        self._job._results_timeout_s = 1
-        self.job_id, self.paths = job_id, self._job.paths
+        self.folder, self.job_id = folder, job_id
+        self.paths = JobPaths(folder, job_id=job_id, task_id=0)
+
+    def proof(self) -> str | None:
+        """None when pid `job_id` is a submitit local controller of this very jobs folder, run by this user; else
+        why not (the pid ended, or was reused by another program or another user)."""
+        try:
+            pid = int(self.job_id)
+            if pid <= 0:
+                return "not a process id"
+            if os.stat(f"/proc/{pid}").st_uid != os.getuid():
+                return f"process {pid} belongs to another user"
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            return "no such process"
+        if b"submitit.local._local" not in argv:
+            return f"process {pid} is not a submitit job"
+        folder = argv[argv.index(b"submitit.local._local") + 1] if argv.index(b"submitit.local._local") + 1 < len(
+            argv) else b""
+        try:
+            same = os.path.samefile(os.fsdecode(folder), self.folder)
+        except OSError:
+            same = False
+        return None if same else f"process {pid} is a submitit job of another folder"
 
     def alive(self) -> bool:
-        try:  # the pid may have been reused by another program: it must still be a submitit controller
-            return b"submitit.local._local" in Path(f"/proc/{int(self.job_id)}/cmdline").read_bytes()
-        except (OSError, ValueError):
-            return False
+        return self.proof() is None
 
     @property
     def state(self) -> str:
@@ -120,9 +165,6 @@ class OrphanLocalJob:
 
     def done(self) -> bool:
         return not self.alive()
-
-    def results(self) -> list:
-        return self._job.results()
 
     def cancel(self, check: bool = True) -> None:
         if self.alive():
@@ -134,6 +176,7 @@ class Submitted:
     job: Any  # a submitit Job (or OrphanLocalJob)
     items: list[WorkItem]
     attempt: int  # 1, then 2 for the retry
+    submission: str  # random id given to the job; its status file is worker.status_path(out, submission)
     adopted: dict[str, str] | None = None  # started by an earlier driver: {checkpoint name: identity} it scores
 
     @property
@@ -157,8 +200,9 @@ class LaunchedSweep(SweepRunner):
         self.running: list[Submitted] = []
 
     def _loop(self, stop: StopFlag) -> None:
-        self.executor = make_executor(self.launch, self.out / JOBS_DIR)
-        self._adopt()
+        records = self._read_running()  # a malformed record is refused here, before anything is submitted
+        self.executor = make_executor(self.launch, private_jobs_dir(self.out))
+        self._adopt(records)
         if self.options.watch:
             print(f"nano_eval: watching {self.run_dir} every {self.options.poll_s:g}s; jobs go to "
                   f"--launcher {self.launch.launcher} (stop: Ctrl-C / SIGTERM)", flush=True)
@@ -196,8 +240,8 @@ class LaunchedSweep(SweepRunner):
         for item in work:
             self.handled.add(item.ckpt.path)
             adopter = next((s for s in self.running if (s.adopted or {}).get(item.ckpt.name) == item.identity), None)
-            if item.reuse:
-                self._process(item)  # prints "already evaluated", records it, logs W&B
+            if item.reuse or item.blocked is not None:
+                self._process(item)  # "already evaluated" (recorded, logged to W&B), or failed: its folder is bad
             elif adopter is not None:
                 adopter.items.append(item)  # an earlier driver's job is scoring it: wait for that job
             else:
@@ -213,18 +257,17 @@ class LaunchedSweep(SweepRunner):
 
         if not groups:
             return
-        jobs = []
+        jobs, submissions = [], []
         # recorded first: a driver killed during the submission leaves this record, and its restarted successor
         # knows that jobs for these checkpoints may exist (worker.claim_checkpoint keeps them from scoring twice)
         self._write_running(submitting=[i for group in groups for i in group])
         with self.executor.batch():  # one Slurm array (one sbatch) per round
             for group in groups:
+                submissions.append(secrets.token_hex(16))
                 jobs.append(self.executor.submit(run_group, self.job, str(self.run_dir), group,
-                                                 self.launch.dist_timeout_s, os.getcwd()))
-        for job, group in zip(jobs, groups):
-            if self.launch.launcher == "local":
-                job._results_timeout_s = 1  # submitit waits 15 s for a result file on shared file systems
-            self.running.append(Submitted(job, group, attempt))
+                                                 self.launch.dist_timeout_s, os.getcwd(), submissions[-1]))
+        for job, group, submission in zip(jobs, groups, submissions):
+            self.running.append(Submitted(job, group, attempt, submission))
             print(f"nano_eval: job {job.job_id} {'resubmitted' if attempt > 1 else 'submitted'}: "
                   f"{', '.join(i.ckpt.name for i in group)} (log: {job.paths.stderr})", flush=True)
         self._write_running()
@@ -236,28 +279,55 @@ class LaunchedSweep(SweepRunner):
         from nano_eval.tracking.files import write_json
 
         records = {
-            str(s.job.job_id): {"launcher": self.launch.launcher, "attempt": s.attempt,
+            str(s.job.job_id): {"launcher": self.launch.launcher, "attempt": s.attempt, "submission": s.submission,
                                 "checkpoints": {i.ckpt.name: i.identity for i in s.items} | (s.adopted or {})}
             for s in self.running}
         if submitting:
             records[SUBMITTING] = {"launcher": self.launch.launcher,
                                    "checkpoints": {i.ckpt.name: i.identity for i in submitting}}
-        write_json(self.out / JOBS_DIR / RUNNING_NAME, records)
+        write_json(self.out / JOBS_DIR / RUNNING_NAME, records, root=self.out)
 
-    def _adopt(self) -> None:
-        """Follow the jobs an earlier driver of this folder left running (it was killed, or its login shell ended)."""
+    def _read_running(self) -> dict[str, dict]:
+        """`<out>/jobs/running.json`, checked against its schema ({} when missing). It decides which jobs this
+        driver waits for, so one that cannot be read is refused (exit 2) rather than guessed at or overwritten."""
+        from nano_eval.local_files import LocalFileError, printable, read_json
+
+        path = self.out / JOBS_DIR / RUNNING_NAME
         try:
-            records = json.loads((self.out / JOBS_DIR / RUNNING_NAME).read_text())
-        except (OSError, ValueError):
-            return
+            records = read_json(path, root=self.out)
+            for job_id, record in records.items():
+                why = _running_record_problem(job_id, record)
+                if why is not None:
+                    raise LocalFileError(path, f"has a bad record for job {job_id!r}: {why}", "")
+        except FileNotFoundError:
+            return {}
+        except LocalFileError as e:
+            raise NanoEvalError(f"cannot use {printable(str(path))}: it {printable(e.what)}. Fix: make sure no job "
+                                f"of an earlier sweep into {printable(str(self.out))} is still running (their logs "
+                                "are next to it), then delete it and rerun (finished checkpoints are reused).") \
+                from None
+        return records
+
+    def _adopt(self, records: dict[str, dict]) -> None:
+        """Follow the jobs an earlier driver of this folder left running (it was killed, or its login shell ended).
+
+        A job is adopted only with proof that this sweep submitted it: its own status file (plain JSON, in the
+        private jobs folder) carries the submission id running.json recorded for it and says it is running, and,
+        for the local launcher, its process is a submitit controller of this jobs folder run by this user. Never
+        from a pid alone; nothing of the job's is unpickled. A job without proof is not waited for: its
+        checkpoints are planned again (a job still scoring one holds its claim, so nothing is scored twice)."""
+        from nano_eval.local_files import LocalFileError, printable, read_json
+        from nano_eval.sweep.worker import status_path
+
         for job_id, record in records.items():
-            if record.get("launcher") != self.launch.launcher:
+            if record["launcher"] != self.launch.launcher:
                 continue
+            names = printable(", ".join(record["checkpoints"]))
             if job_id == SUBMITTING:
                 print(f"nano_eval: warning: an earlier run of this sweep was stopped while submitting jobs for "
-                      f"{', '.join(record['checkpoints'])}; if any of them started, the job submitted now for the "
-                      f"same checkpoint waits for it and reuses its results (lock files in "
-                      f"{self.out / JOBS_DIR / CLAIMS_DIR}), so nothing is scored twice", flush=True)
+                      f"{names}; if any of them started, the job submitted now for the same checkpoint waits for it "
+                      f"and reuses its results (lock files in {self.out / JOBS_DIR / CLAIMS_DIR}), so nothing is "
+                      "scored twice", flush=True)
                 continue
             if self.launch.launcher == "local":
                 job = OrphanLocalJob(self.out / JOBS_DIR, job_id)
@@ -265,11 +335,28 @@ class LaunchedSweep(SweepRunner):
                 import submitit
 
                 job = submitit.SlurmJob(folder=self.out / JOBS_DIR, job_id=job_id)
-            if job.done():
-                continue  # ended: its results are on disk (reused) or its checkpoints are planned again
-            self.running.append(Submitted(job, [], record.get("attempt", 1), adopted=record["checkpoints"]))
+            why = job.proof() if isinstance(job, OrphanLocalJob) else None
+            if why is None:
+                try:
+                    status = read_json(status_path(self.out, record["submission"]), root=self.out)
+                    if status.get("submission") != record["submission"] or str(status.get("job_id")) != job_id:
+                        why = "its status file names another job"
+                    elif status.get("state") != "running":
+                        why = f"it says it is {printable(str(status.get('state')))}"
+                except FileNotFoundError:
+                    why = "it has not started (no status file)"
+                except LocalFileError as e:
+                    why = printable(e.what)
+            if why is None and job.done():
+                why = "it has ended"
+            if why is not None:
+                print(f"nano_eval: job {printable(job_id)} of an earlier run ({names}) is not waited for: {why}; its "
+                      "checkpoints are planned again", flush=True)
+                continue
+            self.running.append(Submitted(job, [], record.get("attempt", 1), record["submission"],
+                                          adopted=record["checkpoints"]))
             print(f"nano_eval: job {job_id} of an earlier run of this sweep is still running "
-                  f"({', '.join(record['checkpoints'])}): waiting for it instead of submitting them again", flush=True)
+                  f"({names}): waiting for it instead of submitting them again", flush=True)
 
     # ---- merge (this process holds the output lock) ---------------------------------------------------------------
 
@@ -299,29 +386,40 @@ class LaunchedSweep(SweepRunner):
                 write_report(self.out)
 
     def _outcome(self, s: Submitted) -> tuple[dict[str, str], str | None]:
-        """(rank 0's {checkpoint: "evaluated" | "reused"}, None) or ({}, one line saying why the job failed)."""
-        from submitit.core.utils import FailedJobError, UncompletedJobError
+        """(the job's {checkpoint: "evaluated" | "reused"}, None) or ({...what it finished}, one line saying why the
+        job failed), from the job's own status file (plain JSON; submitit's result pickle is never read)."""
+        from nano_eval.local_files import LocalFileError, read_json
+        from nano_eval.sweep.worker import status_path
 
+        killed = (f"ended without a result (state {s.job.state}: killed, out of memory or past --time "
+                  f"{self.launch.time_min} min?)")
         try:
-            return s.job.results()[0], None
-        except FailedJobError as e:  # the function raised: the last line of its traceback names the error
-            text = str(e)
-            if "-" * 22 not in text:  # submitit's rule around the traceback
-                return {}, text.strip() or "failed"
-            lines = [line.strip() for line in text.split("-" * 22)[1].splitlines() if line.strip()]
-            return {}, lines[-1] if lines else "failed"
-        except UncompletedJobError:
-            return {}, (f"ended without a result (state {s.job.state}: killed, out of memory or past --time "
-                        f"{self.launch.time_min} min?)")
+            doc = read_json(status_path(self.out, s.submission), root=self.out)
+        except FileNotFoundError:
+            return {}, killed
+        except LocalFileError as e:
+            return {}, f"its status file cannot be used: {e.what}"
+        checkpoints = doc.get("checkpoints")
+        if doc.get("submission") != s.submission or not isinstance(checkpoints, dict):
+            return {}, "its status file is not the one it wrote"
+        status = {k: v for k, v in checkpoints.items() if v in ("evaluated", "reused")}
+        if doc.get("state") == "done":
+            return status, None
+        if doc.get("state") == "failed":
+            return status, " ".join(str(doc.get("error") or "failed").split())[:2000]
+        return status, killed
 
     def _merge(self, item: WorkItem, status: str | None, s: Submitted, error: str | None, last_try: bool) -> bool:
         """Record one checkpoint of an ended job; False when it must be tried again."""
+        from nano_eval.local_files import LocalFileError
+        from nano_eval.tracking.results import read_results
+
         path = self.out / item.ckpt.name / "results.json"
         try:
-            doc = json.loads(path.read_text())
-        except (OSError, ValueError):
+            doc = read_results(path, root=self.out)
+        except (OSError, LocalFileError):
             doc = {}
-        written = doc.get("sweep", {}).get("evaluation_identity") == item.identity
+        written = (doc.get("sweep") or {}).get("evaluation_identity") == item.identity
         if written and not doc.get("failed_tasks"):
             self.summary.done[item.ckpt.step] = path
             (self.summary.reused if status == "reused" else self.summary.evaluated).append(item.ckpt.name)
@@ -347,3 +445,26 @@ class LaunchedSweep(SweepRunner):
             self._log_wandb(path)
         if self.after_checkpoint is not None:
             self.after_checkpoint(item.ckpt, False)
+
+
+def _running_record_problem(job_id, record) -> str | None:
+    """Why a record of running.json is not one this driver wrote, or None."""
+    if not isinstance(record, dict):
+        return "not a JSON object"
+    if record.get("launcher") not in LAUNCHERS:
+        return "no known launcher"
+    checkpoints = record.get("checkpoints")
+    if not isinstance(checkpoints, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                    for k, v in checkpoints.items()):
+        return "`checkpoints` must map checkpoint names to evaluation identities"
+    if job_id == SUBMITTING:
+        return None
+    if not (job_id.replace("_", "").isdigit() and len(job_id) < 40):
+        return "the job id is not a number"
+    if not isinstance(record.get("attempt"), int) or isinstance(record.get("attempt"), bool):
+        return "`attempt` must be an integer"
+    submission = record.get("submission")
+    if not (isinstance(submission, str) and len(submission) == 32
+            and all(c in "0123456789abcdef" for c in submission)):
+        return "`submission` must be the 32-digit hex id the driver gave the job"
+    return None

@@ -36,7 +36,9 @@ def file_stem(task: str, metric: str) -> str:
 
 
 def write_report(out_dir: str | Path) -> Path:
-    """Write `<out>/report/*.png` (with matplotlib) and `<out>/report/index.html`; returns the HTML path."""
+    """Write `<out>/report/*.png` (with matplotlib) and `<out>/report/index.html`; returns the HTML path. Every
+    write is local_files.atomic_write_bytes below `out`: a `report` that is a symlink (or any non-folder) is
+    refused, never written through."""
     out = Path(out_dir)
     everything = read_table(out)
     rows = [r for r in everything if not r["error"]]
@@ -49,12 +51,12 @@ def write_report(out_dir: str | Path) -> Path:
                 series = {metric: [(s, v, e) for s, v, e in points if v is not None]}
                 png = plots.curves_png(series, f"{task}  {metric}", "training step", metric,
                                        unit_interval=bounded(metric))
-                atomic_write_bytes(out / REPORT_DIR / f"{file_stem(task, metric)}.png", png)
+                atomic_write_bytes(out / REPORT_DIR / f"{file_stem(task, metric)}.png", png, root=out)
                 figures[task, metric] = plots.img_tag(png, f"{task} {metric}")
     else:
         plots.warn_missing("the sweep report")
     page = _html(out, rows, data, figures, failures, ranked(rows))
-    atomic_write_text(out / REPORT_DIR / HTML_NAME, page)
+    atomic_write_text(out / REPORT_DIR / HTML_NAME, page, root=out)
     return out / REPORT_DIR / HTML_NAME
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
+import os
 import signal
 import sys
 import time
@@ -73,6 +73,7 @@ class WorkItem:
     fingerprint: str
     consumed_tokens: int | None
     reuse: bool  # results with this identity already exist
+    blocked: str | None = None  # why its output folder cannot take results (then it fails without loading)
 
 
 @dataclass
@@ -99,14 +100,37 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def finished_identity(results_path: Path) -> str | None:
+def finished_identity(results_path: Path, root: str | Path | None = None) -> str | None:
     """The evaluation identity of the results file (None if absent, or if some tasks failed: those are evaluated
-    again)."""
+    again). A file that cannot be used (not nano_eval's results: malformed, a FIFO, a symlink, too large; read by
+    tracking.results.read_results, never followed or blocked on) counts as not done: a warning names it and the
+    checkpoint is scored again (its folder is checked before that: output_problem)."""
+    from nano_eval.local_files import LocalFileError
+    from nano_eval.tracking.results import read_results
+
     try:
-        doc = json.loads(Path(results_path).read_text())
-    except (OSError, ValueError):
+        doc = read_results(results_path, root=root)
+    except FileNotFoundError:
         return None
-    return None if doc.get("failed_tasks") else doc.get("sweep", {}).get("evaluation_identity")
+    except (LocalFileError, OSError) as e:
+        print(f"nano_eval: warning: {one_line(e, limit=1000)}; the checkpoint is scored again", file=sys.stderr,
+              flush=True)
+        return None
+    return None if doc.get("failed_tasks") else (doc.get("sweep") or {}).get("evaluation_identity")
+
+
+def output_problem(job: EvalJob, task_keys: list[str], name: str) -> Exception | None:
+    """Why `<out>/<name>/` cannot take this checkpoint's results (a symlink, FIFO or folder where nano_eval writes:
+    tracking.files.check_output_paths), or None. Checked when the checkpoint is planned, before it loads."""
+    from nano_eval.tracking.files import check_output_paths
+    from nano_eval.tracking.results import output_files
+
+    try:
+        check_output_paths(Path(job.output_dir) / name, root=job.output_dir,
+                           files=output_files(task_keys, details=job.details))
+    except NanoEvalError as e:
+        return e
+    return None
 
 
 def evaluate_item(job: EvalJob, tasks: list, run_dir: Path, item: WorkItem) -> None:
@@ -297,10 +321,12 @@ class SweepRunner:
         tokens = consumed_tokens(ckpt)
         if tokens is None and self.options.tokens_per_step:
             tokens = ckpt.step * self.options.tokens_per_step
-        return WorkItem(ckpt, identity, fp, tokens, reuse=self._existing_identity(ckpt) == identity)
+        reuse = self._existing_identity(ckpt) == identity
+        problem = None if reuse else output_problem(self.job, self.task_keys, ckpt.name)
+        return WorkItem(ckpt, identity, fp, tokens, reuse=reuse, blocked=None if problem is None else str(problem))
 
     def _existing_identity(self, ckpt: Checkpoint) -> str | None:
-        return finished_identity(self.out / ckpt.name / "results.json")
+        return finished_identity(self.out / ckpt.name / "results.json", root=self.out)
 
     # ---- one checkpoint -------------------------------------------------------------------------------------------
 
@@ -312,12 +338,16 @@ class SweepRunner:
             if self.is_main:
                 print(f"nano_eval: {ckpt.name} (step {ckpt.step}): already evaluated, reusing its results",
                       flush=True)
+        elif item.blocked is not None:  # its output folder cannot take results: failed without loading it
+            self._record_failure(item, NanoEvalError(item.blocked))
+            return
         else:
             start = time.perf_counter()
             error = self._evaluate(item)
             if error is not None:
                 self._record_failure(item, error)
-                if not (self.out / ckpt.name / "results.json").exists() or not isinstance(error, TasksFailedError):
+                if not os.path.lexists(self.out / ckpt.name / "results.json") or \
+                        not isinstance(error, TasksFailedError):
                     return
             else:
                 self.summary.evaluated.append(ckpt.name)
@@ -390,12 +420,20 @@ class SweepRunner:
         from nano_eval.sweep.snr import COLUMNS, ranked, signal_rows
         from nano_eval.sweep.table import table_rows
 
-        stats = signal_rows(ranked(table_rows(self.summary.done)))
+        stats = signal_rows(ranked(table_rows(self.summary.done, root=self.out)))
         self.wandb.log_table("sweep/signal_to_noise", COLUMNS, [[r[c] for c in COLUMNS] for r in stats])
 
     def _log_wandb(self, results_path: Path) -> None:
-        doc = json.loads(results_path.read_text())
+        from nano_eval.local_files import LocalFileError
+        from nano_eval.tracking.results import read_results
+
+        try:
+            doc = read_results(results_path, root=self.out)
+        except (OSError, LocalFileError) as e:
+            print(f"nano_eval: warning: not logged to W&B: {one_line(e, limit=1000)}", file=sys.stderr, flush=True)
+            return
         flat = {metric_key("eval", task, name): value for task, metrics in doc["results"].items()
                 for name, value in metrics.items() if not name.endswith("_stderr") and value is not None}
         flat["eval/failed"] = 1 if doc.get("failed_tasks") else 0
-        self.wandb.log(flat, step=doc["step"], consumed_tokens=doc.get("consumed_tokens"))
+        if isinstance(doc.get("step"), int):
+            self.wandb.log(flat, step=doc["step"], consumed_tokens=doc.get("consumed_tokens"))

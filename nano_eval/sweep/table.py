@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 import math
 import sys
 from pathlib import Path
@@ -24,20 +23,32 @@ CSV_NAME, PARQUET_NAME = "sweep_results.csv", "sweep_results.parquet"
 SIGNAL_CSV_NAME, SIGNAL_PARQUET_NAME = "sweep_signal.csv", "sweep_signal.parquet"
 
 
-def table_rows(done: dict[int, Path], failed: dict[int, tuple[str, str]] | None = None) -> list[dict]:
+def table_rows(done: dict[int, Path], failed: dict[int, tuple[str, str]] | None = None,
+               root: str | Path | None = None) -> list[dict]:
     """Rows of every finished checkpoint (step -> its results.json), in step order, then task and metric order;
-    a failed checkpoint (step -> (name, error)) adds its error row first."""
+    a failed checkpoint (step -> (name, error)) adds its error row first. The results files are read by
+    tracking.results.read_results (below `root`, the output folder): one that cannot be read any more becomes the
+    checkpoint's error row, naming the file."""
+    from nano_eval.local_files import LocalFileError
+    from nano_eval.tracking.results import read_results
+
     rows = []
-    failed = failed or {}
+    failed = dict(failed or {})
+    docs = {}
+    for step, path in done.items():
+        try:
+            docs[step] = read_results(path, root=root)
+        except (OSError, LocalFileError) as e:
+            failed.setdefault(step, (Path(path).parent.name, " ".join(str(e).split())))
     for step in sorted(set(done) | set(failed)):
         if step in failed:
             name, error = failed[step]
             rows.append({"checkpoint": name, "step": step, "consumed_tokens": None, "task": "", "metric": "",
                          "value": None, "stderr": None, "error": error})
-        if step not in done:
+        if step not in docs:
             continue
-        doc = json.loads(Path(done[step]).read_text())
-        name = doc.get("sweep", {}).get("checkpoint_name", Path(done[step]).parent.name)
+        doc = docs[step]
+        name = (doc.get("sweep") or {}).get("checkpoint_name", Path(done[step]).parent.name)
         for task, metrics in doc["results"].items():
             for metric, value in metrics.items():
                 if metric.endswith("_stderr"):
@@ -65,8 +76,8 @@ def write_table(done: dict[int, Path], out_dir: str | Path, failed: dict[int, tu
     """Write `sweep_results.csv` (and `.parquet` when pyarrow imports) atomically, each through a uniquely named
     temporary file (tracking.files.atomic_write_bytes); returns the CSV path."""
     out = Path(out_dir)
-    rows = table_rows(done, failed)
-    atomic_write_text(out / CSV_NAME, csv_text(COLUMNS, rows))
+    rows = table_rows(done, failed, root=out)
+    atomic_write_text(out / CSV_NAME, csv_text(COLUMNS, rows), root=out)
     _write_parquet(rows, out / PARQUET_NAME)
     write_signal_table(rows, out)
     return out / CSV_NAME
@@ -77,7 +88,7 @@ def write_signal_table(rows: list[dict], out_dir: str | Path) -> Path:
     improving curves first, the largest trend / noise first; returns the CSV path."""
     out = Path(out_dir)
     stats = signal_rows(ranked(rows))
-    atomic_write_text(out / SIGNAL_CSV_NAME, csv_text(SIGNAL_COLUMNS, stats))
+    atomic_write_text(out / SIGNAL_CSV_NAME, csv_text(SIGNAL_COLUMNS, stats), root=out)
     try:
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -88,7 +99,7 @@ def write_signal_table(rows: list[dict], out_dir: str | Path) -> Path:
     schema = pa.schema([(c, types.get(c, pa.float64())) for c in SIGNAL_COLUMNS])
     buffer = io.BytesIO()
     pq.write_table(pa.Table.from_pylist(stats, schema=schema), buffer)
-    atomic_write_bytes(out / SIGNAL_PARQUET_NAME, buffer.getvalue())
+    atomic_write_bytes(out / SIGNAL_PARQUET_NAME, buffer.getvalue(), root=out)
     return out / SIGNAL_CSV_NAME
 
 
@@ -104,19 +115,29 @@ def _write_parquet(rows: list[dict], path: Path) -> None:
                         ("stderr", pa.float64()), ("error", pa.string())])
     buffer = io.BytesIO()
     pq.write_table(pa.Table.from_pylist(rows, schema=schema), buffer)
-    atomic_write_bytes(path, buffer.getvalue())
+    atomic_write_bytes(path, buffer.getvalue(), root=path.parent)
 
 
 def read_table(out_dir: str | Path) -> list[dict]:
-    """The CSV back as typed rows (None for missing numbers)."""
-    with (Path(out_dir) / CSV_NAME).open(newline="") as f:
-        rows = list(csv.DictReader(f))
-    for r in rows:
-        r["step"] = int(r["step"])
-        r["consumed_tokens"] = int(r["consumed_tokens"]) if r["consumed_tokens"] else None
-        r["value"] = float(r["value"]) if r["value"] else None
-        r["stderr"] = float(r["stderr"]) if r["stderr"] else None
-        r["error"] = r.get("error") or ""
+    """The CSV back as typed rows (None for missing numbers), read as local_files.read_text (a regular file, never
+    followed or blocked on)."""
+    from nano_eval.local_files import read_text
+
+    from nano_eval.local_files import LocalFileError
+
+    path = Path(out_dir) / CSV_NAME
+    rows = list(csv.DictReader(io.StringIO(read_text(path, root=out_dir), newline="")))
+    try:
+        for r in rows:
+            r["step"] = int(r["step"])
+            r["consumed_tokens"] = int(r["consumed_tokens"]) if r["consumed_tokens"] else None
+            r["value"] = float(r["value"]) if r["value"] else None
+            r["stderr"] = float(r["stderr"]) if r["stderr"] else None
+            r["error"] = r.get("error") or ""
+            r["checkpoint"], r["task"], r["metric"] = r["checkpoint"] or "", r["task"] or "", r["metric"] or ""
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise LocalFileError(path, f"is not the table nano_eval wrote ({e})",
+                             "remove it (the sweep writes it anew from the results files)") from None
     return rows
 
 

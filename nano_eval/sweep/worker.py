@@ -1,9 +1,12 @@
 """What one launcher job runs (`--launcher local|slurm`): evaluate a group of checkpoints in the job's own
 process(es), each exactly as the sequential sweep would, each written atomically to `<out>/<checkpoint>/`.
 
-submitit pickles `run_group` and its arguments, starts the job (a local process, or an sbatch job whose `srun`
-starts one process per GPU), and pickles its return value back. With several tasks in a job (`--nodes` x
-`--gpus-per-node`) each task is one rank: submitit's TorchDistributedEnvironment gives it RANK / WORLD_SIZE /
+submitit pickles `run_group` and its arguments (into `<out>/jobs/`, a folder the driver makes private to its user:
+launch.private_jobs_dir) and starts the job (a local process, or an sbatch job whose `srun` starts one process per
+GPU). The driver learns the outcome from plain JSON, never from submitit's result pickle: the job's status file
+(`status_path`) and each checkpoint's results.json with the evaluation identity.
+
+With several tasks in a job (`--nodes` x `--gpus-per-node`) each task is one rank: submitit's TorchDistributedEnvironment gives it RANK / WORLD_SIZE /
 MASTER_ADDR / MASTER_PORT, the ranks join one process group and evaluate each checkpoint data-parallel (or in the
 `--backend nanotron --tp --pp` layout), as under torchrun; rank 0 writes.
 
@@ -33,6 +36,35 @@ from nano_eval.tracking.wandb_logger import one_line
 
 JOBS_DIR = "jobs"  # <out>/jobs/: submitit's pickles and each job's <id>_<task>_log.out / .err
 CLAIMS_DIR = "claims"  # <out>/jobs/claims/<checkpoint>.lock: held by the job scoring that checkpoint
+STATUS_DIR = "status"  # <out>/jobs/status/<submission>.json: what a job says about itself (plain JSON)
+STATES = ("running", "done", "failed")
+
+
+def status_path(out_dir: str | Path, submission: str) -> Path:
+    """`<out>/jobs/status/<submission>.json`: the job's own account of itself, in plain JSON (the driver never
+    reads submitit's result pickle): {"submission", "job_id", "pid", "state": running | done | failed,
+    "checkpoints": {name: "evaluated" | "reused"}, "error": one line}."""
+    if not (isinstance(submission, str) and len(submission) == 32 and all(c in "0123456789abcdef" for c in submission)):
+        raise ValueError(f"not a submission id: {submission!r}")
+    return Path(out_dir) / JOBS_DIR / STATUS_DIR / f"{submission}.json"
+
+
+def _write_status(job: EvalJob, submission: str | None, state: str, checkpoints: dict[str, str],
+                  error: str | None = None) -> None:
+    """Rank 0 of the job records its state (atomically; nothing in it is ever executed or unpickled)."""
+    if submission is None or _rank() != 0:
+        return
+    from nano_eval.tracking.files import write_json
+
+    try:
+        import submitit
+
+        job_id = str(submitit.JobEnvironment().job_id)
+    except (ImportError, RuntimeError):
+        job_id = ""
+    write_json(status_path(job.output_dir, submission),
+               {"submission": submission, "job_id": job_id, "pid": os.getpid(), "state": state,
+                "checkpoints": checkpoints, "error": error}, root=job.output_dir)
 
 
 class GroupFailed(RuntimeError):
@@ -40,26 +72,45 @@ class GroupFailed(RuntimeError):
 
 
 def run_group(job: EvalJob, run_dir: str, items: list[WorkItem], dist_timeout_s: float,
-              cwd: str | None = None) -> dict[str, str]:
+              cwd: str | None = None, submission: str | None = None) -> dict[str, str]:
     """Evaluate `items` in order on every rank of this job; returns {checkpoint name: "evaluated" | "reused"}
     (rank 0's answer is the job's result). Raises GroupFailed after the last item when any of them failed.
 
     cwd: the driver's working directory, so relative paths (output dir, checkpoints, task files) mean there what
-    they meant to the driver, and results.json records them as the sequential sweep does."""
-    from nano_eval.tasks import load_tasks
-
+    they meant to the driver, and results.json records them as the sequential sweep does.
+    submission: the driver's random id for this submission; rank 0 writes `status_path(out, submission)` when the
+    job starts and when it ends (how the driver learns the outcome, and how a restarted driver proves the job is
+    this sweep's before waiting for it)."""
     if cwd is not None:
         os.chdir(cwd)
+    status: dict[str, str] = {}
+    _write_status(job, submission, "running", status)
+    try:
+        _run_group(job, run_dir, items, dist_timeout_s, status)
+    except BaseException as e:
+        try:
+            _write_status(job, submission, "failed", status, one_line(e, limit=1000))
+        except Exception:  # noqa: BLE001 -- the job's own error is the one to report
+            pass
+        raise
+    _write_status(job, submission, "done", status)
+    return status
+
+
+def _run_group(job: EvalJob, run_dir: str, items: list[WorkItem], dist_timeout_s: float,
+               status: dict[str, str]) -> None:
+    from nano_eval.tasks import load_tasks
+
     _join_job_ranks(job.load.device, dist_timeout_s)
     main = _rank() == 0
     if main:
         print(f"nano_eval job: pid {os.getpid()}, checkpoints {', '.join(i.ckpt.name for i in items)}", flush=True)
     tasks = load_tasks(job.tasks, custom_tasks=job.custom_tasks, data_dir=job.data_dir)
-    status, failed = {}, []
+    failed = []
     for item in items:
         name = item.ckpt.name
         with claim_checkpoint(Path(job.output_dir), name, hold=main):
-            if _already_done(Path(job.output_dir) / name / "results.json", item.identity):
+            if _already_done(Path(job.output_dir) / name / "results.json", item.identity, root=job.output_dir):
                 status[name] = "reused"
                 continue
             start = time.perf_counter()
@@ -81,7 +132,6 @@ def run_group(job: EvalJob, run_dir: str, items: list[WorkItem], dist_timeout_s:
     _leave_job_ranks()
     if failed:
         raise GroupFailed("; ".join(failed))
-    return status
 
 
 @contextmanager
@@ -94,28 +144,25 @@ def claim_checkpoint(out_dir: Path, name: str, hold: bool = True) -> Iterator[No
     if not hold:
         yield
         return
-    from filelock import FileLock, Timeout
+    from nano_eval.local_files import lock_file
 
-    path = out_dir / JOBS_DIR / CLAIMS_DIR / f"{name}.lock"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(str(path))
-    try:
-        lock.acquire(timeout=0)
-    except Timeout:
+    path = Path(out_dir) / JOBS_DIR / CLAIMS_DIR / f"{name}.lock"
+    fd = lock_file(path, root=out_dir)  # no symlink below the output folder, none followed at the lock file
+    if fd is None:
         print(f"nano_eval job: {name} is being scored by another job (lock {path}): waiting for it", flush=True)
-        lock.acquire()
+        fd = lock_file(path, root=out_dir, blocking=True)
     try:
         yield
     finally:
-        lock.release()
+        os.close(fd)
 
 
-def _already_done(results_path: Path, identity: str) -> bool:
+def _already_done(results_path: Path, identity: str, root: str | Path | None = None) -> bool:
     """Rank 0 looks at the file system and every rank of the job gets its answer (as runner.py's plan), so the
     ranks never disagree on whether a checkpoint is evaluated (one skipping while the others wait in a collective)."""
     import torch.distributed as dist
 
-    box = [finished_identity(results_path) == identity if _rank() == 0 else None]
+    box = [finished_identity(results_path, root=root) == identity if _rank() == 0 else None]
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(box, src=0)
     return bool(box[0])

@@ -43,16 +43,28 @@ def _clean(value: Any) -> Any:
     return value
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    atomic_write_bytes(path, text.encode("utf-8"))
+def atomic_write_text(path: Path, text: str, *, root: str | Path | None = None) -> None:
+    """`text` (UTF-8) written atomically to `path`; no folder between `root` (the output folder the user named;
+    default: the file's folder) and the file may be a symlink (local_files.real_dir)."""
+    atomic_write_bytes(path, text.encode("utf-8"), root=root)
 
 
-def write_json(path: Path, data: dict) -> None:
-    atomic_write_text(path, json.dumps(_clean(data), indent=2, default=_json_default) + "\n")
+def json_bytes(data: dict) -> bytes:
+    """The bytes write_json writes (NaN / inf as null, indented, one trailing newline)."""
+    return (json.dumps(_clean(data), indent=2, default=_json_default) + "\n").encode("utf-8")
 
 
-def write_jsonl(path: Path, rows: Iterable[dict]) -> None:
-    atomic_write_text(path, "".join(json.dumps(_clean(r), default=_json_default) + "\n" for r in rows))
+def jsonl_bytes(rows: Iterable[dict]) -> bytes:
+    """The bytes write_jsonl writes: one JSON object per line."""
+    return "".join(json.dumps(_clean(r), default=_json_default) + "\n" for r in rows).encode("utf-8")
+
+
+def write_json(path: Path, data: dict, *, root: str | Path | None = None) -> None:
+    atomic_write_bytes(path, json_bytes(data), root=root)
+
+
+def write_jsonl(path: Path, rows: Iterable[dict], *, root: str | Path | None = None) -> None:
+    atomic_write_bytes(path, jsonl_bytes(rows), root=root)
 
 
 MAX_NAME_CHARS = 120
@@ -77,22 +89,33 @@ def details_file_name(task_key: str) -> str:
 
 
 def check_output_paths(out_dir: str | Path, *, folders: Iterable[str] = (), files: Iterable[str] = (),
-                       option: str = "--output-dir") -> None:
-    """Fail early, before any model loads, if the results could not be written, and create nothing: for `out_dir`
-    and each of `folders` under it, the deepest part of the path that exists must be a folder in which a probe file
-    can be written (and is removed); each of `files` under it must not be a folder. Raises NanoEvalError (one line
+                       option: str = "--output-dir", root: str | Path | None = None) -> None:
+    """Fail early, before any model loads, if the results could not be written, and create nothing.
+
+    `out_dir` (below `root`, default: `out_dir` itself) and each of `folders` under it must be real folders or
+    missing (local_files.real_dir: no symlink, file or FIFO in their place, so nothing is written into or deleted
+    from another folder), and the deepest part of each that exists must take a probe file (written and removed);
+    each of `files` under it (`results.json`, `details/<task>.jsonl`, ...) must be missing, a regular file or a
+    symlink (replaced, never followed): a folder, FIFO or device there is refused. Raises NanoEvalError (one line
     naming the path and the fix; exit code 2)."""
     from nano_eval.errors import NanoEvalError
+    from nano_eval.local_files import LocalFileError, check_file_slot, printable, real_dir
 
     out = Path(out_dir)
+    root = Path(root) if root is not None else out
     fix = f"Fix: pass an {option} that names a folder you can write in (or move what is in the way)."
     probed = set()
     for folder in (out, *(out / name for name in folders)):
-        existing = next(p for p in (folder, *folder.parents) if p.exists())  # "." or "/" at the latest
+        try:
+            real_dir(folder, root=root)
+        except LocalFileError as e:
+            raise NanoEvalError(f"{printable(e.path)} {printable(e.what)} ({option}). {fix}") from None
+        existing = next(p for p in (folder, *folder.parents) if os.path.lexists(p))  # "." or "/" at the latest
         if existing == folder and not folder.is_dir():
-            raise NanoEvalError(f"{folder} is a file, not a folder ({option}). {fix}")
+            raise NanoEvalError(f"{printable(str(folder))} is a file, not a folder ({option}). {fix}")
         if not existing.is_dir():
-            raise NanoEvalError(f"{folder} cannot be created: {existing} is a file, not a folder ({option}). {fix}")
+            raise NanoEvalError(f"{printable(str(folder))} cannot be created: {printable(str(existing))} is a file, "
+                                f"not a folder ({option}). {fix}")
         if existing in probed:
             continue
         probed.add(existing)
@@ -101,7 +124,10 @@ def check_output_paths(out_dir: str | Path, *, folders: Iterable[str] = (), file
             os.close(fd)
             os.unlink(probe)
         except OSError as e:
-            raise NanoEvalError(f"cannot write in {existing} ({e.strerror or e}) ({option}). {fix}") from None
+            raise NanoEvalError(f"cannot write in {printable(str(existing))} ({e.strerror or e}) ({option}). "
+                                f"{fix}") from None
     for name in files:
-        if (out / name).is_dir():
-            raise NanoEvalError(f"{out / name} is a folder, but nano_eval writes a file there ({option}). {fix}")
+        try:
+            check_file_slot(out / name, root=root)
+        except LocalFileError as e:
+            raise NanoEvalError(f"{printable(e.path)} {printable(e.what)} ({option}). {fix}") from None

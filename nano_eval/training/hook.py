@@ -26,6 +26,7 @@ anything (scoring, W&B, file writes) and restored after; gradients and optimizer
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 import traceback
@@ -39,7 +40,7 @@ from nano_eval.engine import BatchingConfig
 from nano_eval.errors import BadDocumentError, EvaluationFailed, NanoEvalError, describe_failures
 from nano_eval.evaluator import EvalConfig, EvalResults, Evaluator, TaskResult
 from nano_eval.parallel import any_rank_true
-from nano_eval.tracking.files import write_jsonl
+from nano_eval.tracking.files import check_output_paths, write_jsonl
 from nano_eval.tracking.jsonl import append_jsonl, read_jsonl
 from nano_eval.tracking.results import results_document, write_results
 from nano_eval.tracking.wandb_logger import TensorBoardLogger, WandbLogger, metric_key, one_line
@@ -156,6 +157,8 @@ class EvalHook:
         from nano_eval.tasks import load_tasks
 
         c = self.config
+        if self.layout.rank == c.publish_rank:  # a bad entry in the output folder: a clear error now, not at step N
+            check_output_paths(c.output_dir, files=[JSONL_NAME], option="output_dir")
         bad: dict[str, str] | None = {} if c.fail_soft else None
         if tasks is None:
             tasks = load_tasks(c.tasks, custom_tasks=c.custom_tasks, data_dir=c.data_dir, bad_documents=bad)
@@ -272,7 +275,7 @@ class EvalHook:
         time_share = (self._eval_seconds + time.perf_counter() - start) / max(time.perf_counter() - self._built_at,
                                                                              1e-9)
         write_results(self.output_dir / f"step_{step}", self._document(results), results,
-                      details=self.config.write_details)
+                      details=self.config.write_details, root=self.output_dir)
         self._append_row({
             "step": step,
             "consumed_tokens": results.consumed_tokens,
@@ -301,10 +304,11 @@ class EvalHook:
         path = self.output_dir / JSONL_NAME
         if not self._log_started:
             self._log_started = True
-            if path.is_file():
-                kept = [r for r in read_jsonl(path) if isinstance(r.get("step"), int) and r["step"] < row["step"]]
-                write_jsonl(path, kept)
-        append_jsonl(path, row)
+            if os.path.lexists(path):  # read as local_files does: a FIFO or symlink there is refused, never followed
+                kept = [r for r in read_jsonl(path, root=self.output_dir)
+                        if isinstance(r.get("step"), int) and r["step"] < row["step"]]
+                write_jsonl(path, kept, root=self.output_dir)
+        append_jsonl(path, row, root=self.output_dir)
 
     def flat_metrics(self, results: EvalResults) -> dict[str, float]:
         """`{"eval/<task key>/<metric>": value}` as logged to W&B and TensorBoard."""
