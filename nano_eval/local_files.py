@@ -49,7 +49,7 @@ class LocalFileError(NanoEvalError):
         return type(self), (self.path, self.what, self.fix)
 
 
-def one_line(text: str) -> str:
+def single_line(text: str) -> str:
     """`text` as one line for a message: our own line breaks (a list of places tried, an indented detail) become
     ' | ', every other control character is escaped by `printable`, so no message prints a second line."""
     lines = [line.strip() for line in str(text).replace("\r\n", "\n").split("\n")]

@@ -16,7 +16,7 @@ from nano_eval.checkpoints.load import LoadOptions
 from nano_eval.engine import BatchingConfig
 from nano_eval.evaluator import EvalConfig
 from nano_eval.job import EvalJob
-from nano_eval.local_files import entry_kind, one_line, printable
+from nano_eval.local_files import entry_kind, single_line, printable
 
 TASK_FILE_SUFFIXES = (".txt", ".yaml", ".yml", ".json")
 
@@ -38,7 +38,7 @@ class Parser(argparse.ArgumentParser):
         self.command = command
 
     def error(self, message: str):
-        self.exit(2, f"nano_eval: error: {one_line(message)} (see `{self.command} --help`)\n")
+        self.exit(2, f"nano_eval: error: {single_line(message)} (see `{self.command} --help`)\n")
 
 
 def positive_int(text: str) -> int:

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from nano_eval.errors import NanoEvalError
-from nano_eval.local_files import one_line
+from nano_eval.local_files import single_line
 
 
 def init_distributed(device: str, timeout_s: float) -> None:
@@ -98,14 +98,14 @@ def run_command(body: Callable[[], int | None], what: str) -> int:
         with quiet_broken_pipe():
             code = body() or 0
     except NanoEvalError as e:
-        print(f"nano_eval: error: {prefix}{one_line(str(e))}", file=sys.stderr)
+        print(f"nano_eval: error: {prefix}{single_line(str(e))}", file=sys.stderr)
         return e.exit_code
     except Exception as e:
         if looks_like_timeout(e):
             print(f"nano_eval: error: {prefix}{what} failed: {timeout_message(e)}", file=sys.stderr, flush=True)
             return 1
         traceback.print_exc()
-        print(f"nano_eval: error: {prefix}{what} failed: {type(e).__name__}: {one_line(str(e))}", file=sys.stderr)
+        print(f"nano_eval: error: {prefix}{what} failed: {type(e).__name__}: {single_line(str(e))}", file=sys.stderr)
         return 1
     if dist.is_initialized():
         # Leave together: a rank that tears its gloo group down while rank 0 still writes (a sweep's report)

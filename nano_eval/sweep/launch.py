@@ -37,6 +37,7 @@ from nano_eval.errors import NanoEvalError, TasksFailedError
 from nano_eval.sweep.runner import SweepOptions, SweepRunner, WorkItem
 from nano_eval.sweep.signals import StopFlag
 from nano_eval.sweep.worker import CLAIMS_DIR, JOBS_DIR
+from nano_eval.local_files import printable
 
 LAUNCHERS = ("local", "slurm")
 JOB_POLL_S = {"local": 0.2, "slurm": 10.0}  # how often the driver asks whether a job ended
@@ -160,7 +161,7 @@ class LaunchedSweep(SweepRunner):
         self.executor = make_executor(self.launch, self.out / JOBS_DIR)
         self._adopt()
         if self.options.watch:
-            print(f"nano_eval: watching {self.run_dir} every {self.options.poll_s:g}s; jobs go to "
+            print(f"nano_eval: watching {printable(str(self.run_dir))} every {self.options.poll_s:g}s; jobs go to "
                   f"--launcher {self.launch.launcher} (stop: Ctrl-C / SIGTERM)", flush=True)
         next_look: float | None = 0.0  # when to look at the run directory again; None: never
         try:
@@ -177,7 +178,7 @@ class LaunchedSweep(SweepRunner):
         finally:
             for s in self.running:  # stopped (or crashed): leave no job behind, keep what it finished
                 s.job.cancel(check=False)
-                left = [i.ckpt.name for i in s.items if not self._merge(i, None, s, "cancelled", last_try=False)]
+                left = [i.ckpt.shown for i in s.items if not self._merge(i, None, s, "cancelled", last_try=False)]
                 if left:
                     print(f"nano_eval: job {s.job.job_id} cancelled before scoring {', '.join(left)}; rerun the "
                           "command to score them", file=sys.stderr, flush=True)
@@ -226,7 +227,7 @@ class LaunchedSweep(SweepRunner):
                 job._results_timeout_s = 1  # submitit waits 15 s for a result file on shared file systems
             self.running.append(Submitted(job, group, attempt))
             print(f"nano_eval: job {job.job_id} {'resubmitted' if attempt > 1 else 'submitted'}: "
-                  f"{', '.join(i.ckpt.name for i in group)} (log: {job.paths.stderr})", flush=True)
+                  f"{', '.join(i.ckpt.shown for i in group)} (log: {printable(str(job.paths.stderr))})", flush=True)
         self._write_running()
 
     def _write_running(self, submitting: list[WorkItem] = ()) -> None:
@@ -255,7 +256,8 @@ class LaunchedSweep(SweepRunner):
                 continue
             if job_id == SUBMITTING:
                 print(f"nano_eval: warning: an earlier run of this sweep was stopped while submitting jobs for "
-                      f"{', '.join(record['checkpoints'])}; if any of them started, the job submitted now for the "
+                      f"{printable(', '.join(map(str, record['checkpoints'])))}; if any of them started, the "
+                      f"job submitted now for the "
                       f"same checkpoint waits for it and reuses its results (lock files in "
                       f"{self.out / JOBS_DIR / CLAIMS_DIR}), so nothing is scored twice", flush=True)
                 continue
@@ -269,7 +271,8 @@ class LaunchedSweep(SweepRunner):
                 continue  # ended: its results are on disk (reused) or its checkpoints are planned again
             self.running.append(Submitted(job, [], record.get("attempt", 1), adopted=record["checkpoints"]))
             print(f"nano_eval: job {job_id} of an earlier run of this sweep is still running "
-                  f"({', '.join(record['checkpoints'])}): waiting for it instead of submitting them again", flush=True)
+                  f"({printable(', '.join(map(str, record['checkpoints'])))}): waiting for it instead of "
+                  f"submitting them again", flush=True)
 
     # ---- merge (this process holds the output lock) ---------------------------------------------------------------
 
@@ -284,8 +287,8 @@ class LaunchedSweep(SweepRunner):
             status, error = self._outcome(s)
             if error is not None:
                 again = "resubmitting what it left unscored once" if s.attempt == 1 else "no more retries"
-                print(f"nano_eval: warning: job {s.job.job_id} ({', '.join(i.ckpt.name for i in s.items)}) failed: "
-                      f"{error}; log: {s.log}; {again}", file=sys.stderr, flush=True)
+                print(f"nano_eval: warning: job {s.job.job_id} ({', '.join(i.ckpt.shown for i in s.items)}) failed: "
+                      f"{printable(str(error))}; log: {printable(str(s.log))}; {again}", file=sys.stderr, flush=True)
             retry = []
             for item in s.items:
                 if not self._merge(item, status.get(item.ckpt.name), s, error, last_try=s.attempt > 1):
@@ -325,7 +328,7 @@ class LaunchedSweep(SweepRunner):
         if written and not doc.get("failed_tasks"):
             self.summary.done[item.ckpt.step] = path
             (self.summary.reused if status == "reused" else self.summary.evaluated).append(item.ckpt.name)
-            print(f"nano_eval: {item.ckpt.name} (step {item.ckpt.step}): "
+            print(f"nano_eval: {item.ckpt.shown} (step {item.ckpt.step}): "
                   f"{'already evaluated' if status == 'reused' else 'evaluated'} (job {s.job.job_id})", flush=True)
             self._after_merge(item, path)
             return True

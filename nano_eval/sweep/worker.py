@@ -29,6 +29,7 @@ from pathlib import Path
 from nano_eval.job import EvalJob
 from nano_eval.sweep.runner import WorkItem, evaluate_item, finished_identity, free_memory
 from nano_eval.tracking.wandb_logger import one_line
+from nano_eval.local_files import printable
 
 JOBS_DIR = "jobs"  # <out>/jobs/: submitit's pickles and each job's <id>_<task>_log.out / .err
 CLAIMS_DIR = "claims"  # <out>/jobs/claims/<checkpoint>.lock: held by the job scoring that checkpoint
@@ -52,7 +53,7 @@ def run_group(job: EvalJob, run_dir: str, items: list[WorkItem], dist_timeout_s:
     _join_job_ranks(job.load.device, dist_timeout_s)
     main = _rank() == 0
     if main:
-        print(f"nano_eval job: pid {os.getpid()}, checkpoints {', '.join(i.ckpt.name for i in items)}", flush=True)
+        print(f"nano_eval job: pid {os.getpid()}, checkpoints {', '.join(i.ckpt.shown for i in items)}", flush=True)
     tasks = load_tasks(job.tasks, custom_tasks=job.custom_tasks, data_dir=job.data_dir)
     status, failed = {}, []
     for item in items:
@@ -66,7 +67,7 @@ def run_group(job: EvalJob, run_dir: str, items: list[WorkItem], dist_timeout_s:
                 evaluate_item(job, tasks, Path(run_dir), item)
                 status[name] = "evaluated"
                 if main:
-                    print(f"nano_eval job: {name} (step {item.ckpt.step}): evaluated in "
+                    print(f"nano_eval job: {item.ckpt.shown} (step {item.ckpt.step}): evaluated in "
                           f"{time.perf_counter() - start:.1f}s", flush=True)
             except Exception as e:  # noqa: BLE001 -- recorded; the group's other checkpoints still run
                 failed.append(f"{name} (step {item.ckpt.step}): {one_line(e, limit=1000)}")
@@ -99,7 +100,8 @@ def claim_checkpoint(out_dir: Path, name: str, hold: bool = True) -> Iterator[No
     try:
         lock.acquire(timeout=0)
     except Timeout:
-        print(f"nano_eval job: {name} is being scored by another job (lock {path}): waiting for it", flush=True)
+        print(f"nano_eval job: {printable(name)} is being scored by another job (lock {printable(str(path))}): "
+              f"waiting for it", flush=True)
         lock.acquire()
     try:
         yield
