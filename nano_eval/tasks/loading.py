@@ -182,21 +182,19 @@ def _arrow_rows(path: Path, real: Path) -> list[dict]:
 
     fd = open_regular(real)
     try:
-        size = os.fstat(fd).st_size
-        if size == 0:
+        if os.fstat(fd).st_size == 0:
             raise LocalFileError(path, "is empty, not an Arrow file", "save the dataset again (save_to_disk)")
-        with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as mapped:
-            out: list[dict] = []
-            reader = pa.ipc.open_stream(pa.BufferReader(pa.py_buffer(mapped)))
-            for batch in reader:
-                _check_rows(path, len(out) + batch.num_rows)
-                out += batch.to_pylist()
-            del reader, batch
+        mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)  # unmapped when the last buffer of it is gone
+    finally:
+        os.close(fd)
+    out: list[dict] = []
+    try:
+        for batch in pa.ipc.open_stream(pa.py_buffer(mapped)):
+            _check_rows(path, len(out) + batch.num_rows)
+            out += batch.to_pylist()
     except (pa.ArrowException, ValueError) as e:
         raise LocalFileError(path, f"is not a readable Arrow file ({type(e).__name__}: {str(e)[:200]})",
                              "save the dataset again (save_to_disk)") from None
-    finally:
-        os.close(fd)
     return out
 
 
