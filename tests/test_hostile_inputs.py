@@ -416,3 +416,27 @@ def test_a_tasks_file_named_with_escapes_is_printed_escaped(world, toy_checkpoin
                           str(world["tmp"] / "out")], capsys)
     line = refused_line(code, out, err, "specs\\x1b[2J\\nnano_eval: error: forged.txt", "UTF-8")
     assert "\x1b" not in err and err.count("\n") == 1, line
+
+
+# ---- fuzz ---------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("cases, seed", [(90, 0), pytest.param(600, 1, marks=pytest.mark.slow)])
+def test_fuzzed_surroundings_end_refused_or_load(tmp_path, cases, seed):
+    """Seeded mutations of a genuine --data-dir mirror (jsonl, parquet, save_to_disk) and tasks file
+    (tests/surroundings_fuzz.py), in a process under an address-space limit: none crashes, hangs, allocates past its
+    limit or lets a byte of a file outside the mirror into a document or message; each is refused in one line or
+    loads. A load with other documents is only possible where a flip changed a value (no format has checksums)."""
+    report_path = tmp_path / "report.json"
+    done = subprocess.run([sys.executable, "-W", "ignore", "-m", "tests.surroundings_fuzz", str(tmp_path / "work"),
+                           str(report_path), "--seed", str(seed), "--cases", str(cases)], capture_output=True,
+                          text=True, timeout=600, cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr[-3000:]  # a segfault (-11) names its case in the last stderr line
+    report = json.loads(report_path.read_text())
+    bad = [c for c in report["cases"] if c["outcome"] not in ("refused", "same", "different")]
+    assert not bad, json.dumps(bad[:5], indent=1)
+    assert len(report["cases"]) == cases
+    outcomes = {c["outcome"] for c in report["cases"]}
+    assert {"refused", "same"} <= outcomes, outcomes
+    links_out = [c for c in report["cases"] if "-> outside" in c["mutation"]]
+    assert links_out and all(c["outcome"] == "refused" for c in links_out)
+    assert all(c["outcome"] == "same" for c in report["cases"] if "-> inside" in c["mutation"])

@@ -168,6 +168,7 @@ def _load_parquet(path: Path, real: Path) -> list[dict]:
         out: list[dict] = []
         fh.seek(0)
         for batch in pq.ParquetFile(fh).iter_batches(batch_size=4096):
+            batch.validate(full=True)
             out += batch.to_pylist()
             _check_rows(path, len(out))
     return out
@@ -191,8 +192,9 @@ def _arrow_rows(path: Path, real: Path) -> list[dict]:
     try:
         for batch in pa.ipc.open_stream(pa.py_buffer(mapped)):
             _check_rows(path, len(out) + batch.num_rows)
+            batch.validate(full=True)  # IPC reading trusts the buffers: a flipped offset would read out of bounds
             out += batch.to_pylist()
-    except (pa.ArrowException, ValueError) as e:
+    except (pa.ArrowException, OSError, ValueError) as e:
         raise LocalFileError(path, f"is not a readable Arrow file ({type(e).__name__}: {str(e)[:200]})",
                              "save the dataset again (save_to_disk)") from None
     return out
@@ -205,7 +207,11 @@ def _load_dataset_folder(path: Path, root: Path) -> list[dict]:
     folder = _entry(path, root, "folder")
     if folder is None:
         raise LocalFileError(path, "is not a folder", "name a save_to_disk folder")
-    state = read_json(_entry(path / "state.json", root) or path / "state.json", SAVED_STATE_BYTES)
+    state_file = _entry(path / "state.json", root)
+    if state_file is None:
+        raise LocalFileError(path, "holds no state.json (not a save_to_disk folder)",
+                             "save the dataset again with save_to_disk")
+    state = read_json(state_file, SAVED_STATE_BYTES)
     fix = "save the dataset again with save_to_disk, or remove that entry"
     files = state.get("_data_files")
     if not isinstance(files, list) or not files:
