@@ -440,3 +440,14 @@ def test_fuzzed_surroundings_end_refused_or_load(tmp_path, cases, seed):
     links_out = [c for c in report["cases"] if "-> outside" in c["mutation"]]
     assert links_out and all(c["outcome"] == "refused" for c in links_out)
     assert all(c["outcome"] == "same" for c in report["cases"] if "-> inside" in c["mutation"])
+
+
+@pytest.mark.parametrize("content", [b"", b"# all commented out\n", b"\n\n ,\n"])
+def test_an_empty_or_truncated_tasks_file_is_refused_not_an_empty_evaluation(world, toy_checkpoint, capsys,
+                                                                             content):
+    """Found by the fuzz: a tasks file cut to its comment evaluated nothing and exited 0."""
+    path = world["tmp"] / "specs.txt"
+    path.write_bytes(content)
+    code, out, err = cli(["--checkpoint", str(toy_checkpoint), "--tasks", str(path), "--output-dir",
+                          str(world["tmp"] / "out")], capsys)
+    refused_line(code, out, err, "no task specs", "specs.txt")

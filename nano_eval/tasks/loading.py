@@ -167,10 +167,14 @@ def _load_parquet(path: Path, real: Path) -> list[dict]:
                                  "values)", "evaluate on a smaller split, or cut the file to the rows you need")
         out: list[dict] = []
         fh.seek(0)
-        for batch in pq.ParquetFile(fh).iter_batches(batch_size=4096):
-            batch.validate(full=True)
-            out += batch.to_pylist()
-            _check_rows(path, len(out))
+        try:
+            for batch in pq.ParquetFile(fh).iter_batches(batch_size=4096):
+                batch.validate(full=True)
+                out += batch.to_pylist()
+                _check_rows(path, len(out))
+        except (pa.ArrowException, OSError, ValueError) as e:
+            raise LocalFileError(path, f"is not a readable parquet file ({type(e).__name__}: {str(e)[:200]})",
+                                 "write the file again (e.g. Dataset.to_parquet)") from None
     return out
 
 

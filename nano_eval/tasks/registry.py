@@ -187,6 +187,9 @@ class Registry:
             for spec in self._expand(self._parse_one(raw), raw):
                 if spec not in out:
                     out.append(spec)
+        if not out:  # an empty or truncated tasks file: scoring nothing and exiting 0 would hide it
+            shown = str(specs) if isinstance(specs, (str, os.PathLike)) else list(specs)
+            raise TaskSpecError(f"no task specs in {shown!r}; expected {SPEC_FORM} (a tasks file holds one per line)")
         return out
 
     def _ungroup(self, raws: list[str], inside: tuple[str, ...]) -> list[str]:
