@@ -476,3 +476,21 @@ def test_an_olmo_request_file_is_read_bounded_and_never_as_a_fifo(tmp_path, monk
     monkeypatch.setattr(olmo, "DATA_BYTES", 1000)
     with pytest.raises(LocalFileError, match="decompresses to more than 1,000 bytes"):
         olmo.mirror_fallback(config, "test", data_dir, [])
+
+
+def test_local_files_helpers_for_inputs(tmp_path):
+    from nano_eval.local_files import LocalFileError, plain_name, resolve_inside, single_line
+
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    (root / "a").mkdir(parents=True)
+    outside.mkdir()
+    (root / "a" / "in").symlink_to(root / "a")
+    (root / "out").symlink_to(outside)
+    assert resolve_inside(root / "a" / "in", root) == (root / "a").resolve()
+    with pytest.raises(LocalFileError, match="leads outside"):
+        resolve_inside(root / "out" / "x.jsonl", root)
+    with pytest.raises(LocalFileError, match="leads outside"):
+        resolve_inside(root / ".." / "outside", root)
+    assert plain_name("data-00000-of-00001.arrow")
+    assert not any(plain_name(n) for n in ("", ".", "..", "a/b", "..\\x", "a\nb", "a\x00", 5, None))
+    assert single_line("one\n  two\r\nthree\x1b[0m") == "one | two | three\\x1b[0m"
