@@ -494,3 +494,18 @@ def test_local_files_helpers_for_inputs(tmp_path):
     assert plain_name("data-00000-of-00001.arrow")
     assert not any(plain_name(n) for n in ("", ".", "..", "a/b", "..\\x", "a\nb", "a\x00", 5, None))
     assert single_line("one\n  two\r\nthree\x1b[0m") == "one | two | three\\x1b[0m"
+
+
+def test_a_nanotron_model_folder_linked_outside_is_unfinished_not_read(tmp_path):
+    from nano_eval.sweep.discovery import discover, missing_parts
+
+    run, outside = tmp_path / "run", tmp_path / "outside"
+    outside.mkdir()
+    (outside / "w.safetensors").write_bytes(b"\x39\x30\x00\x00\x00\x00\x00\x00" + SECRET.encode())
+    (run / "5").mkdir(parents=True)
+    (run / "5" / "config.yaml").write_text("model: {}\n")
+    (run / "5" / "model").symlink_to(outside)
+    (run / "latest.txt").write_text("5")
+    [ckpt] = discover(run)
+    why = missing_parts(ckpt, run)
+    assert "model/w.safetensors leads outside" in why and "12345" not in why and SECRET not in why, why

@@ -188,7 +188,7 @@ def _nanotron_missing(ckpt: Checkpoint, run_dir: Path) -> str | None:
     if not (ckpt.path / "config.yaml").exists() or not (ckpt.path / "model").is_dir():
         return "config.yaml or model/ is missing"
     if has_marker(ckpt, run_dir) or (ckpt.path / "checkpoint_metadata.json").exists():
-        return _truncated_safetensors(ckpt.path / "model")
+        return _truncated_safetensors(ckpt.path / "model", ckpt.path)
     return f"neither {NANOTRON_LATEST} reaches step {ckpt.step} nor checkpoint_metadata.json exists"
 
 
@@ -211,11 +211,12 @@ def _hf_missing(path: Path) -> str | None:
     return _truncated_safetensors(path)
 
 
-def _truncated_safetensors(folder: Path) -> str | None:
+def _truncated_safetensors(folder: Path, checkpoint: Path | None = None) -> str | None:
     """The first safetensors file under `folder` whose size disagrees with its header (still being written?), or
-    that is not a regular file inside `folder` (a FIFO would hang the read; a link out would be read)."""
+    that is not a regular file inside its `checkpoint` folder (default: `folder`; a FIFO would hang the read, a link
+    out would be read)."""
     for f in sorted(folder.rglob("*.safetensors")):
-        problem = safetensors_problem(f, folder)
+        problem = safetensors_problem(f, folder if checkpoint is None else checkpoint)
         if problem is not None:
             return problem
     return None
