@@ -49,6 +49,13 @@ class LocalFileError(NanoEvalError):
         return type(self), (self.path, self.what, self.fix)
 
 
+def single_line(text: str) -> str:
+    """`text` as one line for a message: our own line breaks (a list of places tried, an indented detail) become
+    ' | ', every other control character is escaped by `printable`, so no message prints a second line."""
+    lines = [line.strip() for line in str(text).replace("\r\n", "\n").split("\n")]
+    return printable(" | ".join(line for line in lines if line))
+
+
 def printable(text: str) -> str:
     """`text` with every control character (C0, DEL, C1, and Unicode line/paragraph separators) written as an
     escape: `\\x1b[31m` prints as the six characters, a newline as `\\n`; printable text is unchanged."""
@@ -123,6 +130,26 @@ def real_dir(path: str | Path, *, root: str | Path | None = None, create: bool =
             raise LocalFileError(part, f"is a {kind_of(st.st_mode)}, not a folder" + (
                 f" (it points to {printable(os.path.realpath(part))})" if stat.S_ISLNK(st.st_mode) else ""), fix)
     return path
+
+
+def resolve_inside(path: str | Path, root: str | Path,
+                   fix: str = "replace the link by the file or folder itself, or move its target inside") -> Path:
+    """The real path of `path`, which must stay inside the real `root` once every symlink is resolved: a link below
+    a root that points elsewhere inside it is followed (a mirror may share one copy between two names), one that
+    leads out is refused (LocalFileError naming the link and where it leads). A missing `path` resolves as far as it
+    exists; the caller checks existence."""
+    real_root = os.path.realpath(root)
+    real = os.path.realpath(path)
+    if real != real_root and os.path.commonpath([real_root, real]) != real_root:
+        raise LocalFileError(path, f"leads outside {real_root} (to {real})", fix)
+    return Path(real)
+
+
+def plain_name(name: object) -> bool:
+    """`name` is one file name: a non-empty string without a path separator, NUL or control character, and
+    neither '.' nor '..' (what a file listing written by a tool may name without leaving its folder)."""
+    return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
+            and name.isprintable())
 
 
 def open_regular(path: str | Path, *, root: str | Path | None = None) -> int:

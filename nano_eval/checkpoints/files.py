@@ -50,13 +50,19 @@ def safetensors_header(path: str | Path) -> SafetensorsHeader:
     path = Path(path)
     size = path.stat().st_size
     with path.open("rb") as fh:
-        head = fh.read(8)
-        if len(head) < 8:
-            raise CheckpointFileError(path, "is shorter than a safetensors header (truncated or corrupt)")
-        (n,) = struct.unpack("<Q", head)
-        if n > min(SAFETENSORS_HEADER_BYTES, size - 8):
-            raise CheckpointFileError(path, f"declares a {n}-byte header in a {size}-byte file (truncated or corrupt)")
-        raw = fh.read(n)
+        return read_safetensors_header(fh, size, path)
+
+
+def read_safetensors_header(fh, size: int, path: str | Path) -> SafetensorsHeader:
+    """`safetensors_header` of a file already open (`fh` at offset 0, `size` bytes; `path` names it in errors)."""
+    path = Path(path)
+    head = fh.read(8)
+    if len(head) < 8:
+        raise CheckpointFileError(path, "is shorter than a safetensors header (truncated or corrupt)")
+    (n,) = struct.unpack("<Q", head)
+    if n > min(SAFETENSORS_HEADER_BYTES, size - 8):
+        raise CheckpointFileError(path, f"declares a {n}-byte header in a {size}-byte file (truncated or corrupt)")
+    raw = fh.read(n)
     header = parse_json(raw, path)
     if not isinstance(header, dict):
         raise CheckpointFileError(path, "has a header that is not a JSON object (corrupt)")

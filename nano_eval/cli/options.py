@@ -7,6 +7,7 @@ code 2, before anything is loaded.
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 import torch
@@ -15,6 +16,7 @@ from nano_eval.checkpoints.load import LoadOptions
 from nano_eval.engine import BatchingConfig
 from nano_eval.evaluator import EvalConfig
 from nano_eval.job import EvalJob
+from nano_eval.local_files import entry_kind, single_line, printable
 
 TASK_FILE_SUFFIXES = (".txt", ".yaml", ".yml", ".json")
 
@@ -36,7 +38,7 @@ class Parser(argparse.ArgumentParser):
         self.command = command
 
     def error(self, message: str):
-        self.exit(2, f"nano_eval: error: {message} (see `{self.command} --help`)\n")
+        self.exit(2, f"nano_eval: error: {single_line(message)} (see `{self.command} --help`)\n")
 
 
 def positive_int(text: str) -> int:
@@ -93,8 +95,12 @@ def byte_size(text: str) -> int:
 def task_specs(text: str) -> str:
     """`--tasks`: specs, or a file of specs. A value that looks like a path must name an existing file."""
     looks_like_path = "|" not in text and ("/" in text or text.endswith(TASK_FILE_SUFFIXES))
-    if looks_like_path and not Path(text).expanduser().is_file():
-        raise argparse.ArgumentTypeError(f"file not found: {text} (a task file holds one suite|task|k spec per "
+    kind = entry_kind(Path(text).expanduser()) if looks_like_path else None
+    if kind == "symlink":
+        kind = entry_kind(os.path.realpath(Path(text).expanduser()))
+    if looks_like_path and kind != "regular file":
+        what = f"file not found: {printable(text)}" if kind is None else f"{printable(text)} is a {kind}, not a file"
+        raise argparse.ArgumentTypeError(f"{what} (a task file holds one suite|task|k spec per "
                                          "line; or pass the specs themselves, comma-separated)")
     return text
 

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from nano_eval.errors import EvaluationFailed, NanoEvalError
+from nano_eval.local_files import single_line
 
 
 def init_distributed(device: str, timeout_s: float) -> None:
@@ -100,17 +101,17 @@ def run_command(body: Callable[[], int | None], what: str) -> int:
         if isinstance(e.__cause__, Exception) and not isinstance(e.__cause__, NanoEvalError):
             traceback.print_exception(e.__cause__)  # the failing rank's bug
         if rank == 0:
-            print(f"nano_eval: error: {e}", file=sys.stderr, flush=True)
+            print(f"nano_eval: error: {single_line(str(e))}", file=sys.stderr, flush=True)
         return e.exit_code
     except NanoEvalError as e:
-        print(f"nano_eval: error: {prefix}{e}", file=sys.stderr)
+        print(f"nano_eval: error: {prefix}{single_line(str(e))}", file=sys.stderr)
         return e.exit_code
     except Exception as e:
         if looks_like_timeout(e):
             print(f"nano_eval: error: {prefix}{what} failed: {timeout_message(e)}", file=sys.stderr, flush=True)
             return 1
         traceback.print_exc()
-        print(f"nano_eval: error: {prefix}{what} failed: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"nano_eval: error: {prefix}{what} failed: {type(e).__name__}: {single_line(str(e))}", file=sys.stderr)
         return 1
     if dist.is_initialized():
         # Leave together: a rank that tears its gloo group down while rank 0 still writes (a sweep's report)

@@ -18,6 +18,7 @@ from nano_eval.errors import TasksFailedError
 from nano_eval.sweep.launch import JOBS_DIR, LAUNCHERS, LaunchedSweep, LaunchOptions
 from nano_eval.sweep.runner import SweepOptions, SweepRunner
 from nano_eval.tracking.files import check_output_paths
+from nano_eval.local_files import printable
 
 COMMAND = "nano_eval sweep"
 
@@ -126,7 +127,8 @@ def print_results(args: argparse.Namespace, summary, seconds: float) -> None:
     if os.path.isfile(table) and not os.path.islink(table):
         print("\n" + "\n".join(printable(line) for line in text_table(read_table(args.output_dir)).splitlines()))
     report = os.path.join(args.output_dir, REPORT_DIR, HTML_NAME)
-    print(f"\nsweep of {args.run_dir}: {len(summary.evaluated)} evaluated, {len(summary.reused)} reused, "
+    print(f"\nsweep of {printable(str(args.run_dir))}: {len(summary.evaluated)} evaluated, "
+          f"{len(summary.reused)} reused, "
           f"{len(summary.incomplete)} skipped as unfinished, {len(summary.failed)} failed, in {seconds:.1f}s\n"
           f"table: {table}" + (f"\nreport: {report}" if not args.no_report and os.path.isfile(report) else "")
           + (f"\njob logs: {os.path.join(args.output_dir, JOBS_DIR)}" if args.launcher else ""))

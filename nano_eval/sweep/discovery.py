@@ -9,17 +9,27 @@ A checkpoint is complete when its trainer's marker file says so (nanotron latest
 Megatron's tracker file) or, for hf folders, when config.json and every weight file are there (the index lists its
 shards; a safetensors file is as long as its header says) and no temporary file is left. Marker-less checkpoints
 must also look the same (sizes, mtimes) on two looks at least `settle_s` apart: `Settler` keeps those looks.
+
+A run directory is a listing other users may write into, so it is read by the rule of nano_eval.local_files: a
+checkpoint folder that is a symlink leading outside the run directory is skipped with a warning (pass it as
+--checkpoint to evaluate it anyway), a file of a checkpoint (a tracker, a safetensors header) is read only when it
+is a regular file inside its folder (a symlink out or a FIFO makes the checkpoint unfinished, never a read or a
+hang), and messages print names and sizes, never a file's bytes.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import stat
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from nano_eval.checkpoints.files import safetensors_problem
-from nano_eval.checkpoints.untrusted import CheckpointFileError, parse_json, parse_yaml, read_regular_file
+from nano_eval.checkpoints.files import read_safetensors_header
+from nano_eval.checkpoints.untrusted import CONFIG_BYTES, CheckpointFileError, parse_json, parse_yaml
+from nano_eval.local_files import LocalFileError, open_regular, printable, read_bytes, resolve_inside
 
 NANOTRON_LATEST = "latest.txt"
 MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
@@ -40,6 +50,15 @@ class Checkpoint:
     def name(self) -> str:
         return self.path.name
 
+    @property
+    def shown(self) -> str:
+        """The folder's name for a message: control characters escaped (a name is anyone's text)."""
+        return printable(self.path.name)
+
+    @property
+    def shown_path(self) -> str:
+        return printable(str(self.path))
+
 
 def is_temporary(name: str) -> bool:
     """Names that trainers and copy tools use while a file or folder is still being written."""
@@ -47,8 +66,18 @@ def is_temporary(name: str) -> bool:
     return lower.startswith("tmp") or lower.endswith(TEMP_MARKERS) or ".tmp" in lower
 
 
+def _read_small(path: Path, limit: int = CONFIG_BYTES, root: Path | None = None) -> bytes | None:
+    """The bytes of `path` if it is a regular file of at most `limit` bytes inside `root` (default: its folder;
+    symlinks followed only while they stay inside), else None: for looking at a run folder (trackers, trainer state)
+    where a missing or odd file only means "not there yet". Opened with O_NOFOLLOW | O_NONBLOCK: never blocks."""
+    try:
+        return read_bytes(resolve_inside(path, path.parent if root is None else root), limit)
+    except (LocalFileError, OSError):
+        return None
+
+
 def _read_int(path: Path) -> int | None:
-    data = read_regular_file(path, 64)
+    data = _read_small(path, 64)
     try:
         return None if data is None else int(data.decode("ascii").strip())
     except (UnicodeDecodeError, ValueError):
@@ -57,7 +86,7 @@ def _read_int(path: Path) -> int | None:
 
 def _read_json(path: Path):
     """The JSON value of a file of the run folder, or None when it is missing, odd or unreadable."""
-    data = read_regular_file(path)
+    data = _read_small(path)
     try:
         return None if data is None else parse_json(data, path)
     except CheckpointFileError:
@@ -89,10 +118,32 @@ def is_checkpoint_dir(path: str | Path) -> bool:
         MEGATRON_NAME.match(p.name))
 
 
+_warned: set[Path] = set()
+
+
+def _inside_run(path: Path, run: Path) -> bool:
+    """False (with one warning per path and process) when `path` is a symlink leading outside the run directory:
+    a run directory is a listing, and what it links to elsewhere is not this run's to evaluate."""
+    if not path.is_symlink():
+        return True
+    try:
+        resolve_inside(path, run)
+        return True
+    except LocalFileError:
+        if path not in _warned and classify(path, run) is not None:
+            _warned.add(path)
+            print(f"nano_eval: warning: skipping {printable(str(path))}: a symlink leading outside the run directory. "
+                  "Fix: pass it as --checkpoint to evaluate it, or copy it into the run directory.",
+                  file=sys.stderr, flush=True)
+        return False
+
+
 def discover(run_dir: str | Path) -> list[Checkpoint]:
-    """Every checkpoint folder directly under `run_dir`, finished or not, in step order."""
+    """Every checkpoint folder directly under `run_dir`, finished or not, in step order (symlinked folders leading
+    outside `run_dir` are skipped with a warning)."""
     run = Path(run_dir)
-    found = [c for c in (classify(p, run) for p in sorted(run.iterdir())) if c is not None] if run.is_dir() else []
+    found = [c for c in (classify(p, run) for p in sorted(run.iterdir()) if _inside_run(p, run)) if c is not None
+             ] if run.is_dir() else []
     steps: dict[int, Checkpoint] = {}
     for c in found:
         if c.step in steps:  # two names for one step (checkpoint-5 and step_5): keep the first, by name
@@ -137,7 +188,7 @@ def _nanotron_missing(ckpt: Checkpoint, run_dir: Path) -> str | None:
     if not (ckpt.path / "config.yaml").exists() or not (ckpt.path / "model").is_dir():
         return "config.yaml or model/ is missing"
     if has_marker(ckpt, run_dir) or (ckpt.path / "checkpoint_metadata.json").exists():
-        return _truncated_safetensors(ckpt.path / "model")
+        return _truncated_safetensors(ckpt.path / "model", ckpt.path)
     return f"neither {NANOTRON_LATEST} reaches step {ckpt.step} nor checkpoint_metadata.json exists"
 
 
@@ -160,19 +211,49 @@ def _hf_missing(path: Path) -> str | None:
     return _truncated_safetensors(path)
 
 
-def _truncated_safetensors(folder: Path) -> str | None:
-    """The first safetensors file under `folder` whose size disagrees with its header (still being written?)."""
+def _truncated_safetensors(folder: Path, checkpoint: Path | None = None) -> str | None:
+    """The first safetensors file under `folder` whose size disagrees with its header (still being written?), or
+    that is not a regular file inside its `checkpoint` folder (default: `folder`; a FIFO would hang the read, a link
+    out would be read)."""
     for f in sorted(folder.rglob("*.safetensors")):
-        problem = safetensors_problem(f)
+        problem = safetensors_problem(f, folder if checkpoint is None else checkpoint)
         if problem is not None:
-            return f"{problem} (still being written?)"
+            return problem
+    return None
+
+
+def safetensors_problem(path: Path, folder: Path) -> str | None:
+    """Why the safetensors file `path` of the checkpoint folder `folder` is not finished, naming the file and its
+    size only (the header's own numbers could be another file's bytes)."""
+    name = printable(str(path.relative_to(folder)))
+    try:
+        fd = open_regular(resolve_inside(path, folder))
+    except LocalFileError as e:
+        return f"{name} {e.what}"
+    except OSError as e:
+        return f"{name} cannot be read ({e.strerror})"
+    with os.fdopen(fd, "rb") as fh:
+        size = os.fstat(fd).st_size
+        try:
+            read_safetensors_header(fh, size, path)
+        except CheckpointFileError:
+            return f"{name} is {size} bytes but its header says otherwise (still being written?)"
+        except OSError as e:
+            return f"{name} cannot be read ({e.strerror})"
     return None
 
 
 def snapshot(path: Path) -> tuple:
     """(relative path, size, mtime) of every file: equal on two looks means nothing was written in between."""
-    return tuple(sorted((str(p.relative_to(path)), st.st_size, st.st_mtime_ns)
-                        for p in path.rglob("*") if p.is_file() and (st := p.stat())))
+    return tuple(sorted((str(p.relative_to(path)), st.st_mode, st.st_size, st.st_mtime_ns)
+                        for p in path.rglob("*") if (st := _lstat(p)) is not None and not stat.S_ISDIR(st.st_mode)))
+
+
+def _lstat(path: Path):
+    try:
+        return path.lstat()
+    except OSError:  # removed meanwhile
+        return None
 
 
 class Settler:
@@ -229,7 +310,7 @@ def consumed_tokens(ckpt: Checkpoint) -> int | None:
 
 
 def _nanotron_sequence_length(path: Path) -> int | None:
-    data = read_regular_file(path / "config.yaml")
+    data = _read_small(path / "config.yaml")
     try:
         config = parse_yaml(data, path / "config.yaml") if data is not None else None
     except CheckpointFileError:

@@ -47,6 +47,7 @@ from nano_eval.errors import NanoEvalError, TasksFailedError
 from nano_eval.sweep.runner import SweepOptions, SweepRunner, WorkItem
 from nano_eval.sweep.signals import StopFlag
 from nano_eval.sweep.worker import CLAIMS_DIR, JOBS_DIR
+from nano_eval.local_files import printable
 
 LAUNCHERS = ("local", "slurm")
 JOB_POLL_S = {"local": 0.2, "slurm": 10.0}  # how often the driver asks whether a job ended
@@ -204,7 +205,7 @@ class LaunchedSweep(SweepRunner):
         self.executor = make_executor(self.launch, private_jobs_dir(self.out))
         self._adopt(records)
         if self.options.watch:
-            print(f"nano_eval: watching {self.run_dir} every {self.options.poll_s:g}s; jobs go to "
+            print(f"nano_eval: watching {printable(str(self.run_dir))} every {self.options.poll_s:g}s; jobs go to "
                   f"--launcher {self.launch.launcher} (stop: Ctrl-C / SIGTERM)", flush=True)
         next_look: float | None = 0.0  # when to look at the run directory again; None: never
         try:
@@ -221,7 +222,7 @@ class LaunchedSweep(SweepRunner):
         finally:
             for s in self.running:  # stopped (or crashed): leave no job behind, keep what it finished
                 s.job.cancel(check=False)
-                left = [i.ckpt.name for i in s.items if not self._merge(i, None, s, "cancelled", last_try=False)]
+                left = [i.ckpt.shown for i in s.items if not self._merge(i, None, s, "cancelled", last_try=False)]
                 if left:
                     print(f"nano_eval: job {s.job.job_id} cancelled before scoring {', '.join(left)}; rerun the "
                           "command to score them", file=sys.stderr, flush=True)
@@ -269,7 +270,7 @@ class LaunchedSweep(SweepRunner):
         for job, group, submission in zip(jobs, groups, submissions):
             self.running.append(Submitted(job, group, attempt, submission))
             print(f"nano_eval: job {job.job_id} {'resubmitted' if attempt > 1 else 'submitted'}: "
-                  f"{', '.join(i.ckpt.name for i in group)} (log: {job.paths.stderr})", flush=True)
+                  f"{', '.join(i.ckpt.shown for i in group)} (log: {printable(str(job.paths.stderr))})", flush=True)
         self._write_running()
 
     def _write_running(self, submitting: list[WorkItem] = ()) -> None:
@@ -290,7 +291,7 @@ class LaunchedSweep(SweepRunner):
     def _read_running(self) -> dict[str, dict]:
         """`<out>/jobs/running.json`, checked against its schema ({} when missing). It decides which jobs this
         driver waits for, so one that cannot be read is refused (exit 2) rather than guessed at or overwritten."""
-        from nano_eval.local_files import LocalFileError, printable, read_json
+        from nano_eval.local_files import LocalFileError, read_json
 
         path = self.out / JOBS_DIR / RUNNING_NAME
         try:
@@ -316,7 +317,7 @@ class LaunchedSweep(SweepRunner):
         for the local launcher, its process is a submitit controller of this jobs folder run by this user. Never
         from a pid alone; nothing of the job's is unpickled. A job without proof is not waited for: its
         checkpoints are planned again (a job still scoring one holds its claim, so nothing is scored twice)."""
-        from nano_eval.local_files import LocalFileError, printable, read_json
+        from nano_eval.local_files import LocalFileError, read_json
         from nano_eval.sweep.worker import status_path
 
         for job_id, record in records.items():
@@ -371,8 +372,8 @@ class LaunchedSweep(SweepRunner):
             status, error = self._outcome(s)
             if error is not None:
                 again = "resubmitting what it left unscored once" if s.attempt == 1 else "no more retries"
-                print(f"nano_eval: warning: job {s.job.job_id} ({', '.join(i.ckpt.name for i in s.items)}) failed: "
-                      f"{error}; log: {s.log}; {again}", file=sys.stderr, flush=True)
+                print(f"nano_eval: warning: job {s.job.job_id} ({', '.join(i.ckpt.shown for i in s.items)}) failed: "
+                      f"{printable(str(error))}; log: {printable(str(s.log))}; {again}", file=sys.stderr, flush=True)
             retry = []
             for item in s.items:
                 if not self._merge(item, status.get(item.ckpt.name), s, error, last_try=s.attempt > 1):
@@ -423,7 +424,7 @@ class LaunchedSweep(SweepRunner):
         if written and not doc.get("failed_tasks"):
             self.summary.done[item.ckpt.step] = path
             (self.summary.reused if status == "reused" else self.summary.evaluated).append(item.ckpt.name)
-            print(f"nano_eval: {item.ckpt.name} (step {item.ckpt.step}): "
+            print(f"nano_eval: {item.ckpt.shown} (step {item.ckpt.step}): "
                   f"{'already evaluated' if status == 'reused' else 'evaluated'} (job {s.job.job_id})", flush=True)
             self._after_merge(item, path)
             return True

@@ -39,6 +39,7 @@ from nano_eval.sweep.discovery import (Checkpoint, Settler, consumed_tokens, dis
 from nano_eval.sweep.identity import evaluation_identity
 from nano_eval.sweep.signals import StopFlag
 from nano_eval.tracking.wandb_logger import WandbLogger, metric_key, one_line
+from nano_eval.local_files import printable
 
 WAIT_POLL_S, WAIT_REPORT_S = 2.0, 60.0  # --wait: how often to try the busy output folder's lock, and to say so
 
@@ -228,7 +229,8 @@ class SweepRunner:
                 waited_since = waited_since or now
                 if self.is_main and (last_said is None or now - last_said >= WAIT_REPORT_S):
                     last_said = now
-                    print(f"nano_eval: waiting for the sweep that holds {self.out} ({owner}) to finish (--wait; "
+                    print(f"nano_eval: waiting for the sweep that holds {printable(str(self.out))} ({owner}) to "
+                          f"finish (--wait; "
                           f"{now - waited_since:.0f}s so far)", flush=True)
                 stop.sleep(WAIT_POLL_S)
                 if self._any_rank(stop.requested):
@@ -243,7 +245,8 @@ class SweepRunner:
         from nano_eval.sweep.table import write_table
 
         if self.is_main and self.options.watch:
-            print(f"nano_eval: watching {self.run_dir} every {self.options.poll_s:g}s (stop: Ctrl-C / SIGTERM"
+            print(f"nano_eval: watching {printable(str(self.run_dir))} every {self.options.poll_s:g}s (stop: "
+                  f"Ctrl-C / SIGTERM"
                   + (f", or once step {self.options.until_step} is done)" if self.options.until_step else ")"),
                   flush=True)
         while True:
@@ -312,7 +315,8 @@ class SweepRunner:
     def _skip_incomplete(self, ckpt: Checkpoint, why: str) -> None:
         self.handled.add(ckpt.path)
         self.summary.incomplete.append(ckpt.name)
-        print(f"nano_eval: warning: skipping checkpoint {ckpt.path}: not finished ({why}). Fix: rerun the sweep once "
+        print(f"nano_eval: warning: skipping checkpoint {ckpt.shown_path}: not finished ({printable(why)}). "
+              f"Fix: rerun the sweep once "
               "it is written, or use --watch to wait for it.", file=sys.stderr, flush=True)
 
     def _work_item(self, ckpt: Checkpoint) -> WorkItem:
@@ -336,7 +340,7 @@ class SweepRunner:
         if item.reuse:
             self.summary.reused.append(ckpt.name)
             if self.is_main:
-                print(f"nano_eval: {ckpt.name} (step {ckpt.step}): already evaluated, reusing its results",
+                print(f"nano_eval: {ckpt.shown} (step {ckpt.step}): already evaluated, reusing its results",
                       flush=True)
         elif item.blocked is not None:  # its output folder cannot take results: failed without loading it
             self._record_failure(item, NanoEvalError(item.blocked))
@@ -352,7 +356,7 @@ class SweepRunner:
             else:
                 self.summary.evaluated.append(ckpt.name)
                 if self.is_main:
-                    print(f"nano_eval: {ckpt.name} (step {ckpt.step}): evaluated in "
+                    print(f"nano_eval: {ckpt.shown} (step {ckpt.step}): evaluated in "
                           f"{time.perf_counter() - start:.1f}s", flush=True)
         results_path = self.out / ckpt.name / "results.json"
         self.summary.done[ckpt.step] = results_path
@@ -396,7 +400,8 @@ class SweepRunner:
             return
         if not isinstance(error, NanoEvalError):
             traceback.print_exception(error)
-        print(f"nano_eval: error: checkpoint {ckpt.path} (step {ckpt.step}) failed: {message}; skipped, the sweep "
+        print(f"nano_eval: error: checkpoint {ckpt.shown_path} (step {ckpt.step}) failed: {printable(message)}; "
+              f"skipped, the sweep "
               "goes on", file=sys.stderr, flush=True)
         if self.wandb is not None:
             self.wandb.log({"eval/failed": 1}, step=ckpt.step, consumed_tokens=item.consumed_tokens)

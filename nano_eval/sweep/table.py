@@ -17,6 +17,7 @@ from pathlib import Path
 from nano_eval.sweep.snr import COLUMNS as SIGNAL_COLUMNS
 from nano_eval.sweep.snr import ranked, signal_rows
 from nano_eval.tracking.files import atomic_write_bytes, atomic_write_text
+from nano_eval.local_files import printable
 
 COLUMNS = ("checkpoint", "step", "consumed_tokens", "task", "metric", "value", "stderr", "error")
 CSV_NAME, PARQUET_NAME = "sweep_results.csv", "sweep_results.parquet"
@@ -108,7 +109,8 @@ def _write_parquet(rows: list[dict], path: Path) -> None:
         import pyarrow as pa
         import pyarrow.parquet as pq
     except ImportError as e:
-        print(f"nano_eval: warning: {path.name} skipped ({e}); the CSV has the same rows", file=sys.stderr)
+        print(f"nano_eval: warning: {printable(path.name)} skipped ({printable(str(e))}); the CSV has the same "
+              f"rows", file=sys.stderr)
         return
     schema = pa.schema([("checkpoint", pa.string()), ("step", pa.int64()), ("consumed_tokens", pa.int64()),
                         ("task", pa.string()), ("metric", pa.string()), ("value", pa.float64()),

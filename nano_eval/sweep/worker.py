@@ -33,6 +33,7 @@ from nano_eval.errors import is_rust_panic
 from nano_eval.job import EvalJob
 from nano_eval.sweep.runner import WorkItem, evaluate_item, finished_identity, free_memory
 from nano_eval.tracking.wandb_logger import one_line
+from nano_eval.local_files import printable
 
 JOBS_DIR = "jobs"  # <out>/jobs/: submitit's pickles and each job's <id>_<task>_log.out / .err
 CLAIMS_DIR = "claims"  # <out>/jobs/claims/<checkpoint>.lock: held by the job scoring that checkpoint
@@ -104,7 +105,7 @@ def _run_group(job: EvalJob, run_dir: str, items: list[WorkItem], dist_timeout_s
     _join_job_ranks(job.load.device, dist_timeout_s)
     main = _rank() == 0
     if main:
-        print(f"nano_eval job: pid {os.getpid()}, checkpoints {', '.join(i.ckpt.name for i in items)}", flush=True)
+        print(f"nano_eval job: pid {os.getpid()}, checkpoints {', '.join(i.ckpt.shown for i in items)}", flush=True)
     tasks = load_tasks(job.tasks, custom_tasks=job.custom_tasks, data_dir=job.data_dir)
     failed = []
     for item in items:
@@ -118,7 +119,7 @@ def _run_group(job: EvalJob, run_dir: str, items: list[WorkItem], dist_timeout_s
                 evaluate_item(job, tasks, Path(run_dir), item)
                 status[name] = "evaluated"
                 if main:
-                    print(f"nano_eval job: {name} (step {item.ckpt.step}): evaluated in "
+                    print(f"nano_eval job: {item.ckpt.shown} (step {item.ckpt.step}): evaluated in "
                           f"{time.perf_counter() - start:.1f}s", flush=True)
             except BaseException as e:  # noqa: BLE001 -- recorded; the group's other checkpoints still run
                 if not isinstance(e, Exception) and not is_rust_panic(e):
@@ -149,7 +150,8 @@ def claim_checkpoint(out_dir: Path, name: str, hold: bool = True) -> Iterator[No
     path = Path(out_dir) / JOBS_DIR / CLAIMS_DIR / f"{name}.lock"
     fd = lock_file(path, root=out_dir)  # no symlink below the output folder, none followed at the lock file
     if fd is None:
-        print(f"nano_eval job: {name} is being scored by another job (lock {path}): waiting for it", flush=True)
+        print(f"nano_eval job: {printable(name)} is being scored by another job (lock {printable(str(path))}): "
+              "waiting for it", flush=True)
         fd = lock_file(path, root=out_dir, blocking=True)
     try:
         yield

@@ -21,6 +21,7 @@ from pathlib import Path
 from nano_eval.errors import NanoEvalError
 from nano_eval.tasks.loading import is_local_repo, load_split
 from nano_eval.tasks.registry import Registry, TaskSpec
+from nano_eval.local_files import printable, single_line
 
 
 def needed_splits(task, spec: TaskSpec) -> list[str]:
@@ -48,7 +49,7 @@ def write_split(rows: list[dict], path: Path) -> Path:
         jsonl.parent.mkdir(parents=True, exist_ok=True)
         with jsonl.open("w", encoding="utf-8") as f:
             f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
-        print(f"export: {path.name}: wrote jsonl ({type(e).__name__}: {e})", file=sys.stderr)
+        print(f"export: {printable(path.name)}: wrote jsonl ({type(e).__name__}: {printable(str(e))})", file=sys.stderr)
         return jsonl
 
 
@@ -100,11 +101,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         written, errors = export_tasks(args.tasks, args.out, args.data_dir, Registry(args.custom_tasks))
     except NanoEvalError as e:
-        print(f"nano_eval: error: {e}", file=sys.stderr)
+        print(f"nano_eval: error: {single_line(str(e))}", file=sys.stderr)
         return 2
     for error in errors:
-        print(f"nano_eval: error: export: {error}", file=sys.stderr)
-    print(f"export: wrote {len(written)} split(s) to {args.out}" + (f"; {len(errors)} missing" if errors else ""))
+        print(f"nano_eval: error: export: {single_line(str(error))}", file=sys.stderr)
+    print(f"export: wrote {len(written)} split(s) to {printable(str(args.out))}"
+          + (f"; {len(errors)} missing" if errors else ""))
     return 1 if errors else 0
 
 

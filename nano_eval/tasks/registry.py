@@ -18,10 +18,12 @@ from pathlib import Path
 from typing import Iterable
 
 from nano_eval.errors import NanoEvalError
+from nano_eval.local_files import LocalFileError, entry_kind, read_text
 from nano_eval.tasks.config import TaskConfig
 from nano_eval.tasks.task import Task, load_datasets
 
 SPEC_FORM = "suite|task|num_fewshot or task|num_fewshot, e.g. 'lighteval|arc:easy|25' or 'arc:easy|25'"
+TASK_FILE_BYTES = 1 << 20  # a file of task specs (one spec a line: tens of thousands of specs)
 LIST_HINT = "see the available tasks with `nano_eval --list-tasks` (or `Registry(...).print_tasks()`)"
 
 
@@ -185,6 +187,9 @@ class Registry:
             for spec in self._expand(self._parse_one(raw), raw):
                 if spec not in out:
                     out.append(spec)
+        if not out:  # an empty or truncated tasks file: scoring nothing and exiting 0 would hide it
+            shown = str(specs) if isinstance(specs, (str, os.PathLike)) else list(specs)
+            raise TaskSpecError(f"no task specs in {shown!r}; expected {SPEC_FORM} (a tasks file holds one per line)")
         return out
 
     def _ungroup(self, raws: list[str], inside: tuple[str, ...]) -> list[str]:
@@ -202,7 +207,7 @@ class Registry:
     def _parse_one(self, raw: str) -> TaskSpec:
         """`suite|task|k[|x]`, or `task|k` whose suite is the one suite that has `task` (or tasks `task:...`)."""
         fields = [f.strip() for f in raw.split("|")]
-        if len(fields) == 2 and fields[0] and fields[1].isdigit():
+        if len(fields) == 2 and fields[0] and _is_count(fields[1]):
             task = fields[0]
             suites = sorted({full.split("|")[0] for full in self._configs
                              if full.split("|", 1)[1] == task or full.split("|", 1)[1].startswith(task + ":")})
@@ -230,12 +235,24 @@ class Registry:
         return TaskSpecError(f"unknown task {full!r} in spec {raw!r}; {hint}{LIST_HINT}")
 
 
+def _is_count(text: str) -> bool:
+    """A few-shot count: at most 6 ASCII digits (`str.isdigit` is also true of '²', which `int` refuses, and of
+    '٣' and other Unicode digits, which `int` reads as numbers nobody typed)."""
+    return text.isascii() and text.isdigit() and len(text) <= 6
+
+
 def _spec_strings(specs: str | os.PathLike | Iterable[str]) -> list[str]:
-    """Split comma-separated specs; a path to an existing file is read as one spec per line."""
+    """Split comma-separated specs; a path to an existing file is read as one spec per line (a regular UTF-8 file
+    of at most TEXT_BYTES: a FIFO, a device or a binary file is refused in one line)."""
     if isinstance(specs, (str, os.PathLike)):
         text = str(specs)
-        if "|" not in text and Path(text).expanduser().is_file():
-            lines = Path(text).expanduser().read_text().splitlines()
+        path = Path(text).expanduser()
+        if "|" not in text and entry_kind(path) not in (None, "folder"):
+            try:
+                content = read_text(os.path.realpath(path), TASK_FILE_BYTES)
+            except LocalFileError as e:
+                raise TaskSpecError(f"task file {e}") from None
+            lines = content.splitlines()
             return [s for line in lines for s in _spec_strings(line.split("#", 1)[0])]
         return [s.strip() for s in text.split(",") if s.strip()]
     return [s for item in specs for s in _spec_strings(item)]
@@ -245,9 +262,10 @@ def _parse_one(fields: list[str], raw: str, suites: frozenset[str]) -> TaskSpec:
     if len(fields) not in (3, 4) or not all(fields[:3]):
         raise TaskSpecError(f"malformed task spec {raw!r}: expected {SPEC_FORM}")
     suite, task, shots = fields[:3]
-    if not shots.isdigit():
+    if not _is_count(shots):
         raise TaskSpecError(
-            f"malformed task spec {raw!r}: num_fewshot {shots!r} is not a non-negative integer; expected {SPEC_FORM}"
+            f"malformed task spec {raw!r}: num_fewshot {shots!r} is not a non-negative integer (at most 6 ASCII "
+            f"digits); expected {SPEC_FORM}"
         )
     if suite not in suites:
         raise TaskSpecError(f"unknown suite {suite!r} in task spec {raw!r}: known suites are {sorted(suites)}")

@@ -45,6 +45,7 @@ from nano_eval.tracking.jsonl import append_jsonl, read_jsonl
 from nano_eval.tracking.results import results_document, write_results
 from nano_eval.tracking.wandb_logger import TensorBoardLogger, WandbLogger, metric_key, one_line
 from nano_eval.training.config import EvalHookConfig, sample_caps
+from nano_eval.local_files import printable
 
 logger = logging.getLogger(__name__)
 
@@ -180,7 +181,8 @@ class EvalHook:
         self.bad_tasks = bad or {}
         for name, why in self.bad_tasks.items():
             if self.layout.rank == c.publish_rank:
-                print(f"nano_eval: warning: task {name} is skipped by the evaluation hook (fail_soft=True): {why}",
+                print(f"nano_eval: warning: task {name} is skipped by the evaluation hook (fail_soft=True): "
+                      f"{printable(why)}",
                       file=sys.stderr, flush=True)
         if not evaluators:
             raise NanoEvalError(f"no task of {c.tasks!r} can be evaluated: every one has unscorable documents "

