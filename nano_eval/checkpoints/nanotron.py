@@ -86,27 +86,80 @@ def _numel(shape) -> int:
 
 def read_nanotron_weights(checkpoint: str | Path, policy: FilePolicy = FilePolicy()) -> dict[str, torch.Tensor]:
     """Full tensors keyed by parameter name (e.g. `model.decoder.0.pp_block.attn.qkv_proj.weight`)."""
-    from safetensors import safe_open
-
     by_name = weight_files(Folder(checkpoint, policy).check())
     check_weight_sizes(by_name, policy, checkpoint)
-    weights: dict[str, torch.Tensor] = {}
-    for name, files in by_name.items():
-        for file in files:
-            with safe_open(str(file), framework="pt") as f:
-                data, meta = f.get_tensor("data"), f.metadata() or {}
+    return {name: merge_shards(name, files) for name, files in by_name.items()}
+
+
+def merge_shards(name: str, files: list[Path]) -> torch.Tensor:
+    """One parameter's full tensor from its shard files: a file without slice metadata is the whole tensor (only
+    when it is the parameter's one file); otherwise every shard's `local_global_slices_pairs` copy its slices into a
+    tensor of `unsharded_shape` (nanotron.parallel.sharded_parameters writes them, one pair per contiguous chunk).
+
+    The full tensor starts as uninitialised memory, so it is only returned when its slices cover every element
+    exactly once: a gap would be left as whatever the allocator held (two loads of one checkpoint gave different
+    scores), and two slices writing one element would make the result depend on the file order. Each file's pairs
+    are counted before they are parsed, against the elements the full tensor holds (no more non-empty disjoint slices
+    can exist), so a header listing millions of pairs is refused at once instead of being copied slice by slice."""
+    from safetensors import safe_open
+
+    full: torch.Tensor | None = None
+    covered: torch.Tensor | None = None  # which elements of `full` a slice has written
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            meta = f.metadata() or {}
             if "unsharded_shape" not in meta:
-                weights[name] = data
-                continue
-            full = weights.setdefault(name, torch.empty(_shape(meta["unsharded_shape"]), dtype=data.dtype))
-            for pair in meta["local_global_slices_pairs"].split(";"):
-                local, global_ = (_slices(x) for x in pair.split("#"))
-                if full[global_].shape != data[local].shape:
-                    raise CheckpointFileError(file, f"{name}: slice {global_} of the full tensor "
-                                              f"{tuple(full.shape)} does not match slice {local} of the shard "
-                                              f"{tuple(data.shape)}")
-                full[global_] = data[local]
-    return weights
+                if len(files) > 1:
+                    raise CheckpointFileError(file, f"{name} is split over {len(files)} files but this one has no "
+                                              "slice metadata (unsharded_shape), so its place in the full tensor is "
+                                              "unknown")
+                return f.get_tensor("data")
+            shape = _shape(meta["unsharded_shape"])
+            if full is not None and tuple(full.shape) != shape:
+                raise CheckpointFileError(file, f"{name}: unsharded_shape {shape} differs from the {tuple(full.shape)} "
+                                          "its other shards declare")
+            text = meta.get("local_global_slices_pairs", "")
+            count = text.count(";") + 1
+            if not text or count > _numel(shape):
+                raise CheckpointFileError(file, f"{name}: {count:,} slice pairs for a tensor of {_numel(shape):,} "
+                                          "elements (each pair must write at least one element, none twice)")
+            data = f.get_tensor("data")
+        if full is None:
+            full, covered = torch.empty(shape, dtype=data.dtype), torch.zeros(shape, dtype=torch.bool)
+        for pair in text.split(";"):
+            local, global_ = _pair(pair, file, name)
+            try:
+                target, source = covered[global_], data[local]
+            except (IndexError, ValueError, TypeError) as e:
+                raise CheckpointFileError(file, f"{name}: slice pair {pair!r:.100} does not index its tensors "
+                                          f"({e})") from e
+            if target.shape != source.shape or target.numel() == 0:
+                raise CheckpointFileError(file, f"{name}: slice {global_} of the full tensor {tuple(full.shape)} "
+                                          f"does not match slice {local} of the shard {tuple(data.shape)}")
+            if target.any():
+                raise CheckpointFileError(file, f"{name}: slice {global_} overlaps a slice written before it (each "
+                                          "element of the full tensor must come from exactly one shard)")
+            full[global_] = source
+            covered[global_] = True
+    if not covered.all():
+        missing = covered.numel() - int(covered.sum())
+        raise CheckpointFileError(files[0].parent, f"{name}: its {len(files)} shard file(s) cover "
+                                  f"{covered.numel() - missing:,} of the {covered.numel():,} elements of its "
+                                  f"unsharded shape {tuple(full.shape)}; the rest would be uninitialised memory "
+                                  "(a shard file missing, or its slice metadata damaged)")
+    return full
+
+
+def _pair(text: str, file: Path, name: str) -> tuple[tuple[slice, ...], tuple[slice, ...]]:
+    """(local slices, global slices) of one 'local#global' pair, steps of 1 only (nanotron writes no others)."""
+    try:
+        local, global_ = (_slices(x) for x in text.split("#"))
+    except (ValueError, TypeError) as e:
+        raise CheckpointFileError(file, f"{name}: slice pair {text!r:.100} is not 'start,stop,step|...#...' "
+                                  f"({e})") from e
+    if any(s.step not in (None, 1) for s in local + global_):
+        raise CheckpointFileError(file, f"{name}: slice pair {text!r:.100} has a step other than 1")
+    return local, global_
 
 
 def hf_config_from(model_config: dict):
