@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 from nano_eval.backends.base import Backend, evaluation_mode
 from nano_eval.engine import BatchingConfig, Engine
+from nano_eval.errors import NonFiniteScoreError
+from nano_eval.finite import check_finite
 from nano_eval.generate import GenerationResult
 from nano_eval.response import ModelResponse
 from nano_eval.tasks import Task, TaskSpec, build_requests
@@ -53,6 +55,7 @@ class EvalResults:
     tasks: dict[str, TaskResult]
     timings: dict[str, float]
     failed: dict[str, str] = field(default_factory=dict)  # task key -> why it failed while being scored
+    non_finite: list[str] = field(default_factory=list)  # those of `failed` whose model gave NaN / inf (nano_eval.finite)
 
     def table(self) -> str:
         """A plain-text results table, one row per task and metric."""
@@ -121,13 +124,19 @@ class Evaluator:
         return results, timings
 
     def evaluate(self, step: int | None = None) -> EvalResults:
+        """Score every task. A task that fails while being scored is listed in `failed` (task -> why) and the others
+        are still scored: a metric's error is printed with its traceback here; a model that gave NaN / inf scores
+        (nano_eval.finite) is listed in `non_finite` too and left to the caller to report (one line, exit code 2)."""
         start = time.perf_counter()
         with evaluation_mode(getattr(self.backend, "module", None)):
             raw, timings = self.run_requests()
-        tasks, failed = {}, {}
+        tasks, failed, non_finite = {}, {}, []
         for p in self.prepared:  # one task's failure (a metric's bug) never loses the others' scores
             try:
                 tasks[p.spec.key] = self._score_task(p, raw)
+            except NonFiniteScoreError as e:  # the checkpoint, not the task: one line, printed by the caller
+                failed[p.spec.key] = str(e)
+                non_finite.append(p.spec.key)
             except Exception as e:  # noqa: BLE001 -- reported, and listed in EvalResults.failed
                 failed[p.spec.key] = f"{type(e).__name__}: {' '.join(str(e).split())}"[:1000]
                 if self.backend.layout.is_main:
@@ -137,7 +146,7 @@ class Evaluator:
         if self.backend.layout.is_main:
             warn_truncation(tasks, self.backend.max_length)
         timings.update(build_s=self.build_seconds, evaluate_s=time.perf_counter() - start)
-        return EvalResults(tasks=tasks, timings=timings, failed=failed)
+        return EvalResults(tasks=tasks, timings=timings, failed=failed, non_finite=non_finite)
 
     def _score_task(self, prepared: _PreparedTask, raw: dict) -> TaskResult:
         by_doc: dict[int, list[Request]] = defaultdict(list)
@@ -148,6 +157,9 @@ class Evaluator:
         details, truncated = [], 0
         for i, doc in enumerate(prepared.docs):
             response = assemble_response(doc, by_doc[i], raw)
+            first = by_doc[i][0]
+            check_finite(prepared.spec.key, i, response, raw[first.key] if first.request_type ==
+                         RequestType.GREEDY_UNTIL else None, first.request_type == RequestType.LOGLIKELIHOOD_ROLLING)
             truncated += response.truncated_tokens_count > 0
             sample = {m.name: m.compute(doc, response) for m in metrics}
             for name, v in sample.items():

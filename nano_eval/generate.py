@@ -20,7 +20,7 @@ import torch
 from nano_eval.backends.base import Backend
 from nano_eval.parallel import broadcast_tensor_from_output_stage
 from nano_eval.rows import Row, last_position_row, make_batch
-from nano_eval.scoring import VocabShard, argmax_tokens
+from nano_eval.scoring import NON_FINITE, VocabShard, argmax_tokens
 
 if TYPE_CHECKING:
     from nano_eval.lockstep import Lockstep
@@ -32,6 +32,7 @@ class GenerationResult:
     tokens: list[int]
     input_tokens: list[int]
     truncated: int
+    non_finite_at: int | None = None  # the generated token whose logits held NaN / inf (decoding stopped there)
 
 
 class IncrementalDecoder(Protocol):
@@ -73,6 +74,7 @@ def greedy_decode(backend: Backend, rows: Sequence[Row], pad_id: int, eos_ids: C
     fed: list[list[int]] = [[] for _ in contexts]  # tokens appended to each row: its generation (+ lockstep's filler)
     ends: list[int | None] = [None] * len(rows) + [0] * (len(contexts) - len(rows))  # generation length once done
     active = list(range(len(contexts)))  # rows still in the batch, in the decoder's row order
+    broken: dict[int, int] = {}  # row -> the generated token whose logits were not finite
     decoder = None
     if getattr(backend, "shares_prompt_prefix", False) and shared_prefix_tokens:
         decoder = backend.incremental_decoder(shared_prefix_tokens=shared_prefix_tokens)
@@ -89,6 +91,10 @@ def greedy_decode(backend: Backend, rows: Sequence[Row], pad_id: int, eos_ids: C
         next_ids = broadcast_tensor_from_output_stage(next_ids, layout).tolist()
         keep = []  # positions in `active` of the rows that go on
         for k, (i, t) in enumerate(zip(active, next_ids)):
+            if t == NON_FINITE:  # NaN / inf logits: the row ends here, its result says where (nano_eval.finite)
+                if ends[i] is None and i < len(rows):
+                    broken[i] = ends[i] = len(fed[i])
+                t = next_ids[k] = pad_id  # what a lockstep row goes on decoding with
             if ends[i] is None and t in eos_ids:
                 ends[i] = len(fed[i])
             if ends[i] is None or lockstep:
@@ -105,10 +111,11 @@ def greedy_decode(backend: Backend, rows: Sequence[Row], pad_id: int, eos_ids: C
             logits = decoder.extend(keep, [next_ids[k] for k in keep])
         active = [active[k] for k in keep]
     out = {}
-    for prompt, tokens, end in zip(prompts, fed, ends):
+    for i, (prompt, tokens, end) in enumerate(zip(prompts, fed, ends)):
         choice, gen = prompt.choices[0], tokens[:end]
         out[choice.key] = GenerationResult(text=_cut_at_stop(tok.decode(gen, skip_special_tokens=True), stops),
-                                           tokens=gen, input_tokens=prompt.context, truncated=choice.truncated)
+                                           tokens=gen, input_tokens=prompt.context, truncated=choice.truncated,
+                                           non_finite_at=broken.get(i))
     return out
 
 

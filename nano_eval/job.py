@@ -50,7 +50,8 @@ def evaluate_checkpoint(job: EvalJob, tasks: list, checkpoint: str, out_dir: str
     returns the same results. The model is dropped on return.
 
     Tasks that fail while being scored are listed in results.json (`failed_tasks`) next to the others' scores, then
-    TasksFailedError is raised on every rank (exit code 1)."""
+    TasksFailedError is raised on every rank (exit code 1; 2 when the model gave NaN / inf scores: a broken
+    checkpoint is bad input)."""
     backend = load_backend(checkpoint, job.load)
     results = Evaluator(backend, tasks, job.eval).evaluate(step=step)
     if backend.layout.is_main:
@@ -58,6 +59,13 @@ def evaluate_checkpoint(job: EvalJob, tasks: list, checkpoint: str, out_dir: str
                                checkpoint=checkpoint_identity(checkpoint), step=step,
                                consumed_tokens=consumed_tokens, extra=extra)
         write_results(out_dir, doc, results, details=job.details)
+    if results.failed and set(results.failed) == set(results.non_finite):  # the checkpoint is broken: bad input
+        first, *more = results.non_finite
+        raise TasksFailedError(
+            results.failed[first]
+            + (f" The same for {len(more)} more task(s): {', '.join(more)}." if more else "")
+            + (f" The scores of the other {len(results.tasks)} task(s) are in {Path(out_dir) / 'results.json'}."
+               if results.tasks else ""), bad_input=True)
     if results.failed:
         raise TasksFailedError(
             f"{len(results.failed)} task(s) failed while being scored: "
