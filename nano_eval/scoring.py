@@ -47,11 +47,12 @@ NON_FINITE = -1
 def argmax_tokens(logits: torch.Tensor, shard: VocabShard) -> torch.Tensor:
     """Global argmax token id [N] of logits [N, V/tp]; ties go to the smallest id, as torch.argmax does.
 
-    A position whose logits are not all finite on some TP rank gets NON_FINITE on every rank: such a rank enters the
-    MAX reduction with +inf (never with NaN, which reductions need not propagate), so every rank sees it."""
+    A position whose logits hold a NaN or +inf on some TP rank, or are -inf everywhere, has no argmax and gets
+    NON_FINITE on every rank: a rank holding NaN enters the MAX reduction with +inf (never with NaN, which reductions
+    need not propagate), so every rank sees an infinite maximum. (A -inf logit among finite ones is a masked token.)"""
     logits = logits.float()
     local_max, local_arg = logits.max(dim=-1)
-    local_max = torch.where(logits.isfinite().all(dim=-1), local_max, torch.inf)
+    local_max = torch.where(logits.isnan().any(dim=-1), torch.inf, local_max)
     global_max = all_reduce(local_max.clone(), dist.ReduceOp.MAX, shard.group, shard.group_size)
     candidate = torch.where(local_max == global_max, local_arg + shard.start, torch.full_like(local_arg, _NO_TOKEN))
     tokens = all_reduce(candidate, dist.ReduceOp.MIN, shard.group, shard.group_size)

@@ -108,3 +108,152 @@ def test_nanotron_shards_split_in_row_chunks_merge_exactly(genuine_checkpoints, 
     _rewrite_shard(ckpt, "*token_embedding*/*.safetensors", two_chunks)
     name = "model.token_position_embeddings.pp_block.token_embedding.weight"
     assert torch.equal(read_nanotron_weights(ckpt)[name], read_nanotron_weights(genuine_checkpoints["nanotron"])[name])
+
+
+# ---- configs refused by name at load ---------------------------------------------------------------------------------
+
+def _error_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("nano_eval: error:")]
+
+
+def _edited_copy(toy_checkpoint, dest: Path, *, config=None, nan_weight: str | None = None) -> Path:
+    """A copy of the toy checkpoint: config.json edited by config(dict), and/or the first entry of weight
+    `nan_weight` set to NaN in model.safetensors."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(toy_checkpoint, dest)
+    if config is not None:
+        path = dest / "config.json"
+        doc = json.loads(path.read_text())
+        config(doc)
+        path.write_text(json.dumps(doc))
+    if nan_weight is not None:
+        weights = load_file(str(dest / "model.safetensors"))
+        weights[nan_weight].view(-1)[0] = math.nan
+        save_file(weights, str(dest / "model.safetensors"), metadata={"format": "pt"})
+    return dest
+
+
+def _set_rope_theta(value):
+    def edit(doc):
+        doc.setdefault("rope_parameters", {"rope_type": "default"})["rope_theta"] = value
+        doc.pop("rope_theta", None)
+    return edit
+
+
+@pytest.mark.parametrize("field, edit", [
+    ("rope_theta", _set_rope_theta(0.0)),
+    ("rope_theta", _set_rope_theta(math.inf)),
+    ("rms_norm_eps", lambda doc: doc.__setitem__("rms_norm_eps", -1e-5)),
+])
+def test_broken_config_value_is_refused_by_name(toy_checkpoint, tmp_path, capsys, field, edit):
+    from nano_eval.cli import main as run_main
+
+    ckpt = _edited_copy(toy_checkpoint, tmp_path / "ckpt", config=edit)
+    code = run_main(["--checkpoint", str(ckpt), "--tasks", "demo|arithmetic|0", "--max-samples", "2",
+                     "--output-dir", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    [line] = _error_lines(err)
+    assert f"configuration's {field} is" in line and "Fix:" in line and "Traceback" not in err, line
+    assert not (tmp_path / "out" / "results.json").exists()
+
+
+# ---- NaN / inf scores: the task fails, never a score ----------------------------------------------------------------
+
+TASKS = "demo|arithmetic|0,demo|arithmetic_gen|3,demo|arithmetic_ppl|0"  # loglikelihood, generation, rolling
+
+
+def test_nan_weight_ends_the_task_with_one_line_naming_task_and_document(toy_checkpoint, tmp_path, capsys):
+    """One NaN in the final norm's weight: every log-prob is NaN. Exit 2, one line naming the task and the
+    document; results.json holds no score, only the failed tasks."""
+    from nano_eval.cli import main as run_main
+
+    ckpt = _edited_copy(toy_checkpoint, tmp_path / "ckpt", nan_weight="model.norm.weight")
+    out = tmp_path / "out"
+    code = run_main(["--checkpoint", str(ckpt), "--tasks", TASKS, "--max-samples", "2", "--output-dir", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    [line] = _error_lines(err)
+    assert "task demo|arithmetic|0, document 0: the log-probability of choice 0 is nan" in line, line
+    assert "non-finite logits" in line and "Fix:" in line and "Traceback" not in err, line
+    assert "2 more task(s): demo|arithmetic_gen|3, demo|arithmetic_ppl|0" in line, line
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["results"] == {} and sorted(doc["failed_tasks"]) == sorted(TASKS.split(",")), doc
+
+
+def _rope_theta_zero_backend(toy_checkpoint):
+    """The toy model as transformers builds it from a config with rope_theta 0 (what the config check refuses at
+    load; a library user can still build it): its rotary frequencies are infinite, its logits NaN."""
+    from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
+
+    from nano_eval.backends.transformers import TransformersModel
+
+    config = AutoConfig.from_pretrained(toy_checkpoint)
+    config.rope_parameters["rope_theta"] = 0.0
+    model = LlamaForCausalLM(config)
+    model.load_state_dict(LlamaForCausalLM.from_pretrained(toy_checkpoint).state_dict())
+    return TransformersModel(model.eval(), AutoTokenizer.from_pretrained(toy_checkpoint))
+
+
+def test_rope_theta_zero_fails_loglikelihood_generation_and_rolling(toy_checkpoint, capsys):
+    """Every request type: no task is scored, each names its first document; nothing is printed by the
+    Evaluator (its caller reports the one line)."""
+    from nano_eval.evaluator import EvalConfig, Evaluator
+    from nano_eval.tasks import load_tasks
+
+    backend = _rope_theta_zero_backend(toy_checkpoint)
+    results = Evaluator(backend, load_tasks(TASKS), EvalConfig(max_samples=2, progress=False)).evaluate()
+    assert results.tasks == {} and results.non_finite == TASKS.split(","), results.failed
+    assert "document 0: the log-probability of choice 0 is nan" in results.failed["demo|arithmetic|0"]
+    assert "document 0: the logits were NaN or infinite at generated token 0" in results.failed["demo|arithmetic_gen|3"]
+    assert "document 0: the text's log-probability is nan" in results.failed["demo|arithmetic_ppl|0"]
+    assert "nano_eval: error" not in capsys.readouterr().err
+
+
+def test_argmax_of_non_finite_logits_is_the_non_finite_marker():
+    from nano_eval.scoring import NON_FINITE, VocabShard, argmax_tokens
+
+    inf, nan = math.inf, math.nan
+    logits = torch.tensor([[0.0, 2.0, 1.0], [0.0, nan, 1.0], [inf, 0.0, 1.0], [-inf, 3.0, -inf], [-inf, -inf, -inf]])
+    assert argmax_tokens(logits, VocabShard.of(3, 0, None, 1)).tolist() == [1, NON_FINITE, NON_FINITE, 1, NON_FINITE]
+
+
+def test_sweep_fails_the_broken_checkpoints_tasks_and_scores_the_other(toy_checkpoint, tmp_path, capsys):
+    from nano_eval.cli import main as run_main
+    from nano_eval.sweep.table import read_table
+
+    run, out = tmp_path / "run", tmp_path / "out"
+    shutil.copytree(toy_checkpoint, run / "checkpoint-1")
+    _edited_copy(toy_checkpoint, run / "checkpoint-2", nan_weight="model.norm.weight")
+    code = run_main(["sweep", str(run), "--tasks", "demo|arithmetic|0", "--output-dir", str(out), "--max-samples",
+                     "2", "--settle-s", "0", "--no-report"])
+    err = capsys.readouterr().err
+    assert code == 1, err  # the sweep's exit code for "checkpoints failed and were skipped"
+    assert "checkpoint-2" in _error_lines(err)[-1] and "failed and were skipped" in _error_lines(err)[-1], err
+    rows = read_table(out)
+    scored = [r for r in rows if not r["error"]]
+    assert {r["step"] for r in scored} == {1} and all(r["value"] not in ("", "nan") for r in scored), rows
+    [failed] = [r for r in rows if r["error"]]
+    assert failed["step"] == 2 and "task demo|arithmetic|0, document 0" in failed["error"], failed
+    assert json.loads((out / "checkpoint-2" / "results.json").read_text())["results"] == {}
+
+
+@pytest.mark.parametrize("fail_soft", [True, False])
+def test_hook_records_the_failed_tasks_and_training_goes_on(toy_checkpoint, tmp_path, capsys, fail_soft):
+    """In training, NaN scores are failed tasks (as a metric's error is): no score logged for them, the failure
+    in the JSONL row and the results, one warning line; the hook never raises for them."""
+    from nano_eval.tracking.jsonl import read_jsonl
+    from nano_eval.training.config import EvalHookConfig
+    from nano_eval.training.hook import EvalHook
+
+    tasks = "demo|arithmetic|0,demo|arithmetic_ppl|0"
+    config = EvalHookConfig(tasks=tasks, every_n_steps=1, max_samples=2, output_dir=tmp_path, wandb=False,
+                            fail_soft=fail_soft, progress=False)
+    with EvalHook(config, _rope_theta_zero_backend(toy_checkpoint)) as hook:
+        results = hook.maybe_evaluate(1)
+    assert results is not None and results.tasks == {} and sorted(results.failed) == sorted(tasks.split(","))
+    [row] = read_jsonl(tmp_path / "eval_results.jsonl")
+    assert row["results"] == {} and "document 0" in row["failed_tasks"]["demo|arithmetic|0"], row
+    err = capsys.readouterr().err
+    assert err.count("nano_eval: warning: step 1: task demo|") == 2 and "Traceback" not in err, err
