@@ -257,3 +257,20 @@ def test_hook_records_the_failed_tasks_and_training_goes_on(toy_checkpoint, tmp_
     assert row["results"] == {} and "document 0" in row["failed_tasks"]["demo|arithmetic|0"], row
     err = capsys.readouterr().err
     assert err.count("nano_eval: warning: step 1: task demo|") == 2 and "Traceback" not in err, err
+
+
+# ---- Megatron torch_dist: every element of a loaded tensor saved exactly once ----------------------------------------
+
+def test_torch_dist_chunks_that_leave_rows_unsaved_are_refused(genuine_checkpoints, toy_checkpoint, tmp_path):
+    """The embedding's one chunk now declares only its first 8 rows: DCP would read those and leave the other rows
+    as the freshly built model's random values."""
+    from tests.test_hostile_files import _metadata, _save_metadata, options
+
+    iter_dir = copy_of(genuine_checkpoints, "torch_dist", tmp_path)
+    md = _metadata(iter_dir)
+    key = "embedding.word_embeddings.weight"
+    [chunk] = md.state_dict_metadata[key].chunks
+    chunk.sizes = torch.Size([8, *chunk.sizes[1:]])
+    _save_metadata(iter_dir, md)
+    text = refused(iter_dir, options("torch_dist", toy_checkpoint))
+    assert f"the chunks of {key} hold" in text, text

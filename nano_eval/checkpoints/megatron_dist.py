@@ -335,6 +335,28 @@ def _check_requested(sharded: dict, metadata, index_path: Path) -> None:
         if key is not None and found is not None and type(found) is not TensorStorageMetadata:
             raise CheckpointFileError(index_path, f"the model's {key} is stored as pickled bytes, not a tensor "
                                       "(loading it would run pickle on the file's bytes)")
+        if key is not None and found is not None:
+            _check_cover(key, found, index_path)
+
+
+def _check_cover(key: str, md, index_path: Path) -> None:
+    """The saved chunks of tensor `key` cover each of its elements exactly once. DCP reads only the chunks that
+    exist: a gap would leave the model's freshly initialised values in the weights (plausible scores of a model
+    nobody trained), and overlapping chunks would make the result depend on the read order. Chunks are sorted by
+    their first offset, so only chunks that overlap on the first dimension are compared."""
+    total, boxes = _numel(md.size), sorted((tuple(c.offsets), tuple(c.sizes)) for c in md.chunks
+                                           if _numel(c.sizes) > 0)
+    held = sum(_numel(sizes) for _, sizes in boxes)
+    if held != total:
+        raise CheckpointFileError(index_path, f"the chunks of {key} hold {held:,} elements, its size "
+                                  f"{list(md.size)} has {total:,} (a chunk missing or listed twice)")
+    for i, (offsets, sizes) in enumerate(boxes):  # as many elements as the tensor: a gap means an overlap
+        for other, other_sizes in boxes[i + 1:]:
+            if other and other[0] >= offsets[0] + sizes[0]:
+                break
+            if all(b < a + n and a < b + m for a, n, b, m in zip(offsets, sizes, other, other_sizes)):
+                raise CheckpointFileError(index_path, f"the chunks of {key} at {list(offsets)} and {list(other)} "
+                                          "overlap (each element must be saved once)")
 
 
 def _inner(error: BaseException) -> BaseException:
