@@ -274,3 +274,14 @@ def test_torch_dist_chunks_that_leave_rows_unsaved_are_refused(genuine_checkpoin
     _save_metadata(iter_dir, md)
     text = refused(iter_dir, options("torch_dist", toy_checkpoint))
     assert f"the chunks of {key} hold" in text, text
+
+
+@pytest.mark.parametrize("name, value", [("rotary_base", 0), ("norm_epsilon", -1e-5)])
+def test_megatron_args_that_give_nan_are_refused_by_name(genuine_checkpoints, name, value):
+    """megatron-core would take rotary_base 0 for its default 10000 (`or 10000`), the converter would build a
+    Llama with rope_theta 0: both refused, naming the argument."""
+    from nano_eval.checkpoints.megatron_dist import read_dist_checkpoint
+    from nano_eval.errors import NanoEvalError
+
+    with pytest.raises(NanoEvalError, match=f"args set {name}={value}, but it must be a finite number"):
+        read_dist_checkpoint(genuine_checkpoints["torch_dist"], overrides={name: value})
