@@ -55,7 +55,7 @@ class EvalResults:
     tasks: dict[str, TaskResult]
     timings: dict[str, float]
     failed: dict[str, str] = field(default_factory=dict)  # task key -> why it failed while being scored
-    non_finite: list[str] = field(default_factory=list)  # those of `failed` whose model gave NaN / inf (nano_eval.finite)
+    non_finite: list[str] = field(default_factory=list)  # those of `failed` that got NaN / inf (nano_eval.finite)
 
     def table(self) -> str:
         """A plain-text results table, one row per task and metric."""

@@ -92,7 +92,7 @@ def greedy_decode(backend: Backend, rows: Sequence[Row], pad_id: int, eos_ids: C
         keep = []  # positions in `active` of the rows that go on
         for k, (i, t) in enumerate(zip(active, next_ids)):
             if t == NON_FINITE:  # NaN / inf logits: the row ends here, its result says where (nano_eval.finite)
-                if ends[i] is None and i < len(rows):
+                if ends[i] is None:
                     broken[i] = ends[i] = len(fed[i])
                 t = next_ids[k] = pad_id  # what a lockstep row goes on decoding with
             if ends[i] is None and t in eos_ids:

@@ -93,7 +93,7 @@ def model_parameters(args: Mapping, where: str | Path) -> int:
 def check_arg_values(args: Mapping, where: str | Path) -> None:
     """Refuse, naming the argument, a value that can only give NaN or meaningless logits: a rotary base that is not
     a finite number > 0 (0 gives infinite rotary frequencies; megatron-core would even take 0 for its default), a
-    norm epsilon that is negative or not finite. (The checkpoint's weights are checked when scored: nano_eval.finite.)"""
+    norm epsilon that is negative or not finite. (The weights are checked when scored: nano_eval.finite.)"""
     for name, positive in (("rotary_base", True), ("norm_epsilon", False)):
         value = args.get(name)
         if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
