@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -60,6 +61,7 @@ def test_nanotron_slices_that_leave_rows_unwritten_are_refused(genuine_checkpoin
     _rewrite_shard(ckpt, "*token_embedding*/*.safetensors", first_rows)
     text = refused(ckpt, LoadOptions())
     assert "token_embedding" in text and "uninitialised" in text, text
+    assert re.search(r"do not cover its unsharded shape \(\d+, \d+\) exactly once \(its pieces hold", text), text
 
 
 def test_nanotron_overlapping_slices_are_refused(genuine_checkpoints, tmp_path):
@@ -73,7 +75,8 @@ def test_nanotron_overlapping_slices_are_refused(genuine_checkpoints, tmp_path):
         return data, meta
 
     _rewrite_shard(ckpt, "*token_embedding*/*.safetensors", overlap)
-    assert "overlaps" in refused(ckpt, LoadOptions())
+    text = refused(ckpt, LoadOptions())
+    assert re.search(r"its pieces at \[0, 0\] and \[0, 0\] overlap", text), text
 
 
 def test_nanotron_millions_of_slice_pairs_are_refused_at_once(genuine_checkpoints, tmp_path):
@@ -273,7 +276,7 @@ def test_torch_dist_chunks_that_leave_rows_unsaved_are_refused(genuine_checkpoin
     chunk.sizes = torch.Size([8, *chunk.sizes[1:]])
     _save_metadata(iter_dir, md)
     text = refused(iter_dir, options("torch_dist", toy_checkpoint))
-    assert f"the chunks of {key} hold" in text, text
+    assert f"the chunks of {key} do not cover it exactly once: its pieces hold" in text, text
 
 
 @pytest.mark.parametrize("name, value", [("rotary_base", 0), ("norm_epsilon", -1e-5)])
@@ -285,3 +288,15 @@ def test_megatron_args_that_give_nan_are_refused_by_name(genuine_checkpoints, na
 
     with pytest.raises(NanoEvalError, match=f"args set {name}={value}, but it must be a finite number"):
         read_dist_checkpoint(genuine_checkpoints["torch_dist"], overrides={name: value})
+
+
+def test_cover_problem_accepts_exact_covers_only():
+    from nano_eval.checkpoints.cover import cover_problem
+
+    tp2_rows = [((0, 0), (4, 6)), ((4, 0), (4, 6))]
+    tp2_cols = [((0, 3), (8, 3)), ((0, 0), (8, 3))]
+    assert cover_problem((8, 6), tp2_rows) is None and cover_problem((8, 6), tp2_cols) is None
+    assert cover_problem((), [((), ())]) is None  # a scalar
+    assert "hold 24 elements" in cover_problem((8, 6), tp2_rows[:1])
+    assert "overlap" in cover_problem((8, 6), [((0, 0), (4, 6)), ((3, 0), (1, 6)), ((5, 0), (3, 6))])
+    assert "outside" in cover_problem((8, 6), [((0, 0), (9, 6))])

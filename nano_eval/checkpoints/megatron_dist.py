@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from nano_eval.checkpoints.cover import cover_problem
 from nano_eval.checkpoints.megatron_args import LLAMA_STYLE, args_dict, check_model_size, hf_config_from_args, load_shard
 from nano_eval.checkpoints.megatron_model import build_gpt_model
 from nano_eval.checkpoints.pickles import TENSORS, dcp_index, unpickle
@@ -340,23 +341,11 @@ def _check_requested(sharded: dict, metadata, index_path: Path) -> None:
 
 
 def _check_cover(key: str, md, index_path: Path) -> None:
-    """The saved chunks of tensor `key` cover each of its elements exactly once. DCP reads only the chunks that
-    exist: a gap would leave the model's freshly initialised values in the weights (plausible scores of a model
-    nobody trained), and overlapping chunks would make the result depend on the read order. Chunks are sorted by
-    their first offset, so only chunks that overlap on the first dimension are compared."""
-    total, boxes = _numel(md.size), sorted((tuple(c.offsets), tuple(c.sizes)) for c in md.chunks
-                                           if _numel(c.sizes) > 0)
-    held = sum(_numel(sizes) for _, sizes in boxes)
-    if held != total:
-        raise CheckpointFileError(index_path, f"the chunks of {key} hold {held:,} elements, its size "
-                                  f"{list(md.size)} has {total:,} (a chunk missing or listed twice)")
-    for i, (offsets, sizes) in enumerate(boxes):  # as many elements as the tensor: a gap means an overlap
-        for other, other_sizes in boxes[i + 1:]:
-            if other and other[0] >= offsets[0] + sizes[0]:
-                break
-            if all(b < a + n and a < b + m for a, n, b, m in zip(offsets, sizes, other, other_sizes)):
-                raise CheckpointFileError(index_path, f"the chunks of {key} at {list(offsets)} and {list(other)} "
-                                          "overlap (each element must be saved once)")
+    """The saved chunks of tensor `key` cover each of its elements exactly once (nano_eval.checkpoints.cover): DCP
+    reads only the chunks that exist, so a gap would leave the new model's random values in the weights."""
+    problem = cover_problem(tuple(md.size), [(tuple(c.offsets), tuple(c.sizes)) for c in md.chunks])
+    if problem is not None:
+        raise CheckpointFileError(index_path, f"the chunks of {key} do not cover it exactly once: {problem}")
 
 
 def _inner(error: BaseException) -> BaseException:
