@@ -14,8 +14,6 @@ import json
 import math
 import re
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
