@@ -17,6 +17,8 @@ import torch.distributed as dist
 from nano_eval.agreement import message_of
 from nano_eval.backends.base import Backend, evaluation_mode
 from nano_eval.engine import BatchingConfig, Engine
+from nano_eval.errors import NonFiniteScoreError
+from nano_eval.finite import check_finite
 from nano_eval.generate import GenerationResult
 from nano_eval.parallel import any_rank_true
 from nano_eval.response import ModelResponse
@@ -57,6 +59,7 @@ class EvalResults:
     tasks: dict[str, TaskResult]
     timings: dict[str, float]
     failed: dict[str, str] = field(default_factory=dict)  # task key -> why it failed while being scored
+    non_finite: list[str] = field(default_factory=list)  # those of `failed` that got NaN / inf (nano_eval.finite)
 
     def table(self) -> str:
         """A plain-text results table, one row per task and metric."""
@@ -126,8 +129,10 @@ class Evaluator:
 
     def evaluate(self, step: int | None = None) -> EvalResults:
         """Every rank calls it; every rank returns the same results. A fault outside the forwards on any rank raises
-        the same EvaluationFailed on every rank (nano_eval.agreement); a task whose scoring fails on any rank is
-        listed in `failed` on every rank."""
+        the same EvaluationFailed on every rank (nano_eval.agreement). A task whose scoring fails on any rank is
+        listed in `failed` on every rank and the others are still scored: a metric's error is printed with its
+        traceback; a model that gave NaN / inf scores (nano_eval.finite, decided after the gather, so alike on every
+        rank) is listed in `non_finite` too and left to the caller to report (one line, exit code 2)."""
         start = time.perf_counter()
         with evaluation_mode(getattr(self.backend, "module", None)):
             raw, timings = self.run_requests()
@@ -138,12 +143,13 @@ class Evaluator:
             except Exception as e:  # noqa: BLE001 -- reported, and listed in EvalResults.failed
                 errors[p.spec.key] = e
         failed = self._failed_on_any_rank(errors)
+        non_finite = [key for key, e in errors.items() if isinstance(e, NonFiniteScoreError)]
         for key in failed:
             tasks.pop(key, None)
         if self.backend.layout.is_main:
             warn_truncation(tasks, self.backend.max_length)
         timings.update(build_s=self.build_seconds, evaluate_s=time.perf_counter() - start)
-        return EvalResults(tasks=tasks, timings=timings, failed=failed)
+        return EvalResults(tasks=tasks, timings=timings, failed=failed, non_finite=non_finite)
 
     def _failed_on_any_rank(self, errors: dict[str, Exception]) -> dict[str, str]:
         """{task key: why} of the tasks whose scoring failed on any rank, the same on every rank (a metric can fail
@@ -162,6 +168,8 @@ class Evaluator:
                 if key in failed:
                     continue
                 failed[key] = why if len(every) == 1 or all(key in p for p in every) else f"on rank {rank}: {why}"
+                if isinstance(errors.get(key), NonFiniteScoreError):
+                    continue  # the checkpoint, not the task: one line, printed by the caller
                 if key in errors and rank == lay.rank:
                     traceback.print_exception(errors[key])
                 if lay.is_main:
@@ -178,6 +186,9 @@ class Evaluator:
         details, truncated = [], 0
         for i, doc in enumerate(prepared.docs):
             response = assemble_response(doc, by_doc[i], raw)
+            first = by_doc[i][0]
+            check_finite(prepared.spec.key, i, response, raw[first.key] if first.request_type ==
+                         RequestType.GREEDY_UNTIL else None, first.request_type == RequestType.LOGLIKELIHOOD_ROLLING)
             truncated += response.truncated_tokens_count > 0
             sample = {m.name: m.compute(doc, response) for m in metrics}
             for name, v in sample.items():

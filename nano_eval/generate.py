@@ -22,7 +22,7 @@ from nano_eval.backends.base import Backend
 from nano_eval.lockstep import Lockstep, padded_batch
 from nano_eval.parallel import broadcast_tensor_from_output_stage
 from nano_eval.rows import Row, last_position_row, make_batch
-from nano_eval.scoring import VocabShard, argmax_tokens
+from nano_eval.scoring import NON_FINITE, VocabShard, argmax_tokens
 from nano_eval.tokenization import decode_text
 
 
@@ -32,6 +32,7 @@ class GenerationResult:
     tokens: list[int]
     input_tokens: list[int]
     truncated: int
+    non_finite_at: int | None = None  # the generated token whose logits held NaN / inf (decoding stopped there)
 
 
 class IncrementalDecoder(Protocol):
@@ -82,6 +83,7 @@ def greedy_decode(backend: Backend, rows: Sequence[Row], pad_id: int, eos_ids: C
     fed: list[list[int]] = [[] for _ in contexts]  # tokens appended to each row: its generation (+ lockstep's filler)
     ends: list[int | None] = [None] * len(rows) + [0] * (len(contexts) - len(rows))  # generation length once done
     active = list(range(len(contexts)))  # rows still in the batch, in the decoder's row order
+    broken: dict[int, int] = {}  # row -> the generated token whose logits were not finite
     decoder = None
     if getattr(backend, "shares_prompt_prefix", False) and shared_prefix_tokens:
         decoder = backend.incremental_decoder(shared_prefix_tokens=shared_prefix_tokens)
@@ -103,6 +105,10 @@ def greedy_decode(backend: Backend, rows: Sequence[Row], pad_id: int, eos_ids: C
         keep = []  # positions in `active` of the rows that go on
         with agreement.guard():
             for k, (i, t) in enumerate(zip(active, next_ids)):
+                if t == NON_FINITE:  # NaN / inf logits: the row ends here, its result says where (nano_eval.finite)
+                    if ends[i] is None:
+                        broken[i] = ends[i] = len(fed[i])
+                    t = next_ids[k] = pad_id  # what a lockstep row goes on decoding with
                 if ends[i] is None and t in eos_ids:
                     ends[i] = len(fed[i])
                 if ends[i] is None or lockstep:
@@ -119,12 +125,13 @@ def greedy_decode(backend: Backend, rows: Sequence[Row], pad_id: int, eos_ids: C
         active = [active[k] for k in keep]
     out = {}
     with agreement.guard():
-        for prompt, tokens, end in zip(prompts, fed, ends):
+        for i, (prompt, tokens, end) in enumerate(zip(prompts, fed, ends)):
             if agreement.stopped or agreement.error is not None:
                 break  # some rank failed: the caller's settle raises
             choice, gen = prompt.choices[0], tokens[:end]
             out[choice.key] = GenerationResult(text=_cut_at_stop(decode_text(tok, gen), stops),
-                                               tokens=gen, input_tokens=prompt.context, truncated=choice.truncated)
+                                               tokens=gen, input_tokens=prompt.context, truncated=choice.truncated,
+                                               non_finite_at=broken.get(i))
     if own:
         agreement.settle()
     return out

@@ -51,7 +51,8 @@ def evaluate_checkpoint(job: EvalJob, tasks: list, checkpoint: str, out_dir: str
     returns the same results. The model is dropped on return.
 
     Tasks that fail while being scored are listed in results.json (`failed_tasks`) next to the others' scores, then
-    TasksFailedError is raised on every rank (exit code 1). A fault on one rank (loading, preparing, scoring outside
+    TasksFailedError is raised on every rank (exit code 1; 2 when the model gave NaN / inf scores: a broken
+    checkpoint is bad input). A fault on one rank (loading, preparing, scoring outside
     the forwards, rank 0's write) raises the same EvaluationFailed on every rank at the next point where the ranks
     meet (nano_eval.agreement), never at the process group's timeout."""
     backend = evaluator = error = None
@@ -72,6 +73,13 @@ def evaluate_checkpoint(job: EvalJob, tasks: list, checkpoint: str, out_dir: str
     except Exception as e:  # noqa: BLE001 -- raised on every rank together
         error = e
     raise_together(error)
+    if results.failed and set(results.failed) == set(results.non_finite):  # the checkpoint is broken: bad input
+        first, *more = results.non_finite
+        raise TasksFailedError(
+            results.failed[first]
+            + (f" The same for {len(more)} more task(s): {', '.join(more)}." if more else "")
+            + (f" The scores of the other {len(results.tasks)} task(s) are in {Path(out_dir) / 'results.json'}."
+               if results.tasks else ""), bad_input=True)
     if results.failed:
         raise TasksFailedError(
             f"{len(results.failed)} task(s) failed while being scored: "

@@ -40,13 +40,23 @@ def _log_normaliser(logits: torch.Tensor, shard: VocabShard) -> tuple[torch.Tens
     return global_max, global_max + sum_exp.log()
 
 
+# The "token" argmax_tokens returns for a position whose logits hold a NaN or an infinity on any TP rank.
+NON_FINITE = -1
+
+
 def argmax_tokens(logits: torch.Tensor, shard: VocabShard) -> torch.Tensor:
-    """Global argmax token id [N] of logits [N, V/tp]; ties go to the smallest id, as torch.argmax does."""
+    """Global argmax token id [N] of logits [N, V/tp]; ties go to the smallest id, as torch.argmax does.
+
+    A position whose logits hold a NaN or +inf on some TP rank, or are -inf everywhere, has no argmax and gets
+    NON_FINITE on every rank: a rank holding NaN enters the MAX reduction with +inf (never with NaN, which reductions
+    need not propagate), so every rank sees an infinite maximum. (A -inf logit among finite ones is a masked token.)"""
     logits = logits.float()
     local_max, local_arg = logits.max(dim=-1)
+    local_max = torch.where(logits.isnan().any(dim=-1), torch.inf, local_max)
     global_max = all_reduce(local_max.clone(), dist.ReduceOp.MAX, shard.group, shard.group_size)
     candidate = torch.where(local_max == global_max, local_arg + shard.start, torch.full_like(local_arg, _NO_TOKEN))
-    return all_reduce(candidate, dist.ReduceOp.MIN, shard.group, shard.group_size)
+    tokens = all_reduce(candidate, dist.ReduceOp.MIN, shard.group, shard.group_size)
+    return torch.where(global_max.isinf(), torch.full_like(tokens, NON_FINITE), tokens)
 
 
 def target_logprobs(logits: torch.Tensor, targets: torch.Tensor, shard: VocabShard) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,6 +3,8 @@ permutation (interleaved pairs -> rotate-half)."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from nano_eval.checkpoints.untrusted import FilePolicy
@@ -16,6 +18,7 @@ def llama_from_state_dict(config, state: dict[str, torch.Tensor], where: str, po
     weights is refused before anything is allocated."""
     from transformers import LlamaForCausalLM
 
+    check_config_values(config, where)
     check_module_counts(config, sum(t.numel() * t.element_size() for t in state.values()), where)
     try:
         with torch.device("meta"):
@@ -64,6 +67,39 @@ def _count(config, names: tuple[str, ...]) -> int | None:
     return None
 
 
+# config values a model divides by, takes a power or a root of: (names, what a working model needs, the rule)
+_POSITIVE = ("rope_theta", "factor")  # rotary base, and a rope scaling factor: 1 / theta ** (2i / d), pos / factor
+_NOT_NEGATIVE = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps", "norm_epsilon")
+
+
+def check_config_values(config, where: str) -> None:
+    """Refuse, naming the field, a config value that can only give NaN or inf logits: a rotary base or rope scaling
+    factor that is not a finite number > 0 (`rope_theta: 0` gives infinite rotary frequencies and NaN everywhere),
+    a norm epsilon that is negative or not finite. Looks at the config, its text_config, and their rope parameters
+    (transformers 5 keeps rope_theta there, per layer type in some models). Scores that turn out non-finite
+    anyway (NaN weights) are caught when scored (nano_eval.finite)."""
+    for cfg in (config, getattr(config, "text_config", None)):
+        if cfg is None:
+            continue
+        values = [(name, getattr(cfg, name, None)) for name in ("rope_theta", *_NOT_NEGATIVE)]
+        for rope in (getattr(cfg, "rope_parameters", None), getattr(cfg, "rope_scaling", None)):
+            if isinstance(rope, dict):
+                nested = [r for r in rope.values() if isinstance(r, dict)]  # per layer type
+                for r in [rope, *nested]:
+                    values += [(f"rope_parameters.{name}" if name != "rope_theta" else name, r.get(name))
+                               for name in _POSITIVE]
+        for name, value in values:
+            if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            bad = (not math.isfinite(value) or value <= 0) if name.endswith(_POSITIVE) else \
+                (not math.isfinite(value) or value < 0)
+            if bad:
+                need = "a finite number > 0" if name.endswith(_POSITIVE) else "a finite number >= 0"
+                raise NanoEvalError(f"{where}: its configuration's {name} is {value}, but it must be {need} (with "
+                                    "this value the model gives NaN or meaningless logits). Fix: restore "
+                                    f"{name} to the value the model was trained with (the training run's config).")
+
+
 def check_module_counts(config, weight_bytes: int, where: str) -> None:
     """Refuse, by arithmetic and before any model is built, a config with no layers, or whose layers (times experts)
     cannot fit in `weight_bytes`: every layer, and every expert in it, holds at least `hidden_size` parameters (a
@@ -91,6 +127,7 @@ def check_config_size(config, weight_bytes: int, where: str, policy: FilePolicy 
     allocated. Returns the count."""
     from transformers import AutoModelForCausalLM
 
+    check_config_values(config, where)
     check_module_counts(config, weight_bytes, where)
     try:
         with torch.device("meta"):

@@ -4,6 +4,7 @@ LlamaConfig they describe."""
 
 from __future__ import annotations
 
+import math
 from argparse import Namespace
 from collections.abc import Mapping
 from pathlib import Path
@@ -89,11 +90,27 @@ def model_parameters(args: Mapping, where: str | Path) -> int:
     return vocab * h * 2 + layers * (attention + max(dense, moe)) + h + learned
 
 
+def check_arg_values(args: Mapping, where: str | Path) -> None:
+    """Refuse, naming the argument, a value that can only give NaN or meaningless logits: a rotary base that is not
+    a finite number > 0 (0 gives infinite rotary frequencies; megatron-core would even take 0 for its default), a
+    norm epsilon that is negative or not finite. (The weights are checked when scored: nano_eval.finite.)"""
+    for name, positive in (("rotary_base", True), ("norm_epsilon", False)):
+        value = args.get(name)
+        if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if not math.isfinite(value) or value < 0 or (positive and value == 0):
+            raise CheckpointFileError(where, f"the checkpoint's args set {name}={value}, but it must be a finite "
+                                      f"number {'>' if positive else '>='} 0 (the model would give NaN or "
+                                      "meaningless logits)", f"pass megatron_args={{'{name}': <the value the "
+                                      "model was trained with>}}, or restore the checkpoint")
+
+
 def check_model_size(args: Mapping, where: str | Path, *, disk_bytes: int, policy) -> int:
     """Refuse a model that `args` make larger than the checkpoint's files (a parameter takes at least one byte on
     disk) or than the policy's allocation limit; returns the parameter bound."""
     import torch
 
+    check_arg_values(args, where)
     params = model_parameters(args, where)
     dtype = args.get("params_dtype") if isinstance(args.get("params_dtype"), torch.dtype) else torch.float32
     if params > 2 * disk_bytes + (1 << 20):  # untied output layer counted even when tied: a factor of 2 of slack

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from nano_eval.checkpoints.cover import cover_problem
 from nano_eval.checkpoints.megatron_args import LLAMA_STYLE, args_dict, check_model_size, hf_config_from_args, load_shard
 from nano_eval.checkpoints.megatron_model import build_gpt_model
 from nano_eval.checkpoints.pickles import TENSORS, dcp_index, unpickle
@@ -335,6 +336,16 @@ def _check_requested(sharded: dict, metadata, index_path: Path) -> None:
         if key is not None and found is not None and type(found) is not TensorStorageMetadata:
             raise CheckpointFileError(index_path, f"the model's {key} is stored as pickled bytes, not a tensor "
                                       "(loading it would run pickle on the file's bytes)")
+        if key is not None and found is not None:
+            _check_cover(key, found, index_path)
+
+
+def _check_cover(key: str, md, index_path: Path) -> None:
+    """The saved chunks of tensor `key` cover each of its elements exactly once (nano_eval.checkpoints.cover): DCP
+    reads only the chunks that exist, so a gap would leave the new model's random values in the weights."""
+    problem = cover_problem(tuple(md.size), [(tuple(c.offsets), tuple(c.sizes)) for c in md.chunks])
+    if problem is not None:
+        raise CheckpointFileError(index_path, f"the chunks of {key} do not cover it exactly once: {problem}")
 
 
 def _inner(error: BaseException) -> BaseException:

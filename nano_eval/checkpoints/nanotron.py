@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from nano_eval.checkpoints.cover import cover_problem
 from nano_eval.checkpoints.llama import check_config_size, interleaved_to_half_rotary, llama_from_state_dict
 from nano_eval.compat.nanotron import NUMPY_SCALAR_REPR  # no nanotron import: plain regex
 from nano_eval.checkpoints.files import check_safetensors, load_tokenizer, safetensors_header
@@ -86,27 +87,97 @@ def _numel(shape) -> int:
 
 def read_nanotron_weights(checkpoint: str | Path, policy: FilePolicy = FilePolicy()) -> dict[str, torch.Tensor]:
     """Full tensors keyed by parameter name (e.g. `model.decoder.0.pp_block.attn.qkv_proj.weight`)."""
-    from safetensors import safe_open
-
     by_name = weight_files(Folder(checkpoint, policy).check())
     check_weight_sizes(by_name, policy, checkpoint)
-    weights: dict[str, torch.Tensor] = {}
-    for name, files in by_name.items():
-        for file in files:
-            with safe_open(str(file), framework="pt") as f:
-                data, meta = f.get_tensor("data"), f.metadata() or {}
-            if "unsharded_shape" not in meta:
-                weights[name] = data
-                continue
-            full = weights.setdefault(name, torch.empty(_shape(meta["unsharded_shape"]), dtype=data.dtype))
-            for pair in meta["local_global_slices_pairs"].split(";"):
-                local, global_ = (_slices(x) for x in pair.split("#"))
-                if full[global_].shape != data[local].shape:
-                    raise CheckpointFileError(file, f"{name}: slice {global_} of the full tensor "
-                                              f"{tuple(full.shape)} does not match slice {local} of the shard "
-                                              f"{tuple(data.shape)}")
-                full[global_] = data[local]
-    return weights
+    return {name: merge_shards(name, files) for name, files in by_name.items()}
+
+
+def shard_layout(name: str, files: list[Path]) -> tuple[tuple[int, ...], list[list]] | None:
+    """(unsharded shape, each file's (local, global) slice pairs) of one parameter, read from the files' metadata
+    only; None for a parameter saved whole in its one file (no slice metadata).
+
+    Refused unless the global slices cover the unsharded shape exactly once (nano_eval.checkpoints.cover): the
+    merged tensor starts as uninitialised memory (and nanotron's own loader starts from the new model's values), so
+    a gap would stay in the weights (two loads of one checkpoint gave acc 0.00 and 0.25). Each file's pairs are
+    counted before they are parsed, against the elements the tensor holds (no more non-empty disjoint slices can
+    exist), so a header listing millions of pairs is refused at once instead of being parsed and copied one by one."""
+    metas = [safetensors_header(f).metadata for f in files]
+    if len(files) == 1 and "unsharded_shape" not in metas[0]:
+        return None
+    shape = None
+    for file, meta in zip(files, metas):
+        if "unsharded_shape" not in meta:
+            raise CheckpointFileError(file, f"{name} is split over {len(files)} files but this one has no slice "
+                                      "metadata (unsharded_shape), so its place in the full tensor is unknown")
+        if shape is not None and _shape(meta["unsharded_shape"]) != shape:
+            raise CheckpointFileError(file, f"{name}: unsharded_shape {_shape(meta['unsharded_shape'])} differs "
+                                      f"from the {shape} its other shards declare")
+        shape = _shape(meta["unsharded_shape"])
+    budget, pairs, boxes = _numel(shape), [], []
+    for file, meta in zip(files, metas):
+        text = meta.get("local_global_slices_pairs", "")
+        count = text.count(";") + 1
+        if not text or count > budget:
+            raise CheckpointFileError(file, f"{name}: {count:,} slice pairs where its tensor of {_numel(shape):,} "
+                                      "elements leaves room for at most "
+                                      f"{budget:,} more (each pair must write at least one element, none twice)")
+        budget -= count
+        pairs.append([_pair(p, file, name) for p in text.split(";")])
+        for _, global_ in pairs[-1]:
+            if len(global_) != len(shape):
+                raise CheckpointFileError(file, f"{name}: a global slice {global_} has {len(global_)} dimensions, "
+                                          f"its unsharded shape {shape} {len(shape)}")
+            ranges = [s.indices(n) for s, n in zip(global_, shape)]
+            boxes.append((tuple(a for a, _, _ in ranges), tuple(max(0, b - a) for a, b, _ in ranges)))
+    problem = cover_problem(shape, boxes)
+    if problem is not None:
+        raise CheckpointFileError(files[0].parent, f"{name}: its {len(files)} shard file(s) do not cover its "
+                                  f"unsharded shape {shape} exactly once ({problem}); the rest would be "
+                                  "uninitialised memory (a shard file missing, or its slice metadata damaged)")
+    return shape, pairs
+
+
+def merge_shards(name: str, files: list[Path]) -> torch.Tensor:
+    """One parameter's full tensor from its shard files: a file without slice metadata is the whole tensor (when it
+    is the parameter's one file); otherwise every shard's `local_global_slices_pairs` copy its slices into a tensor
+    of `unsharded_shape` (nanotron.parallel.sharded_parameters writes them, one pair per contiguous chunk), once
+    shard_layout has checked that they cover it exactly once."""
+    from safetensors import safe_open
+
+    layout = shard_layout(name, files)
+    if layout is None:
+        with safe_open(str(files[0]), framework="pt") as f:
+            return f.get_tensor("data")
+    shape, pairs = layout
+    full = None
+    for file, file_pairs in zip(files, pairs):
+        with safe_open(str(file), framework="pt") as f:
+            data = f.get_tensor("data")
+        if full is None:
+            full = torch.empty(shape, dtype=data.dtype)
+        for local, global_ in file_pairs:
+            try:
+                source = data[local]
+            except (IndexError, ValueError, TypeError) as e:
+                raise CheckpointFileError(file, f"{name}: local slice {local} does not index the shard "
+                                          f"{tuple(data.shape)} ({e})") from e
+            if full[global_].shape != source.shape:
+                raise CheckpointFileError(file, f"{name}: slice {global_} of the full tensor {shape} does not "
+                                          f"match slice {local} of the shard {tuple(data.shape)}")
+            full[global_] = source
+    return full
+
+
+def _pair(text: str, file: Path, name: str) -> tuple[tuple[slice, ...], tuple[slice, ...]]:
+    """(local slices, global slices) of one 'local#global' pair, steps of 1 only (nanotron writes no others)."""
+    try:
+        local, global_ = (_slices(x) for x in text.split("#"))
+    except (ValueError, TypeError) as e:
+        raise CheckpointFileError(file, f"{name}: slice pair {text!r:.100} is not 'start,stop,step|...#...' "
+                                  f"({e})") from e
+    if any(s.step not in (None, 1) for s in local + global_):
+        raise CheckpointFileError(file, f"{name}: slice pair {text!r:.100} has a step other than 1")
+    return local, global_
 
 
 def hf_config_from(model_config: dict):
@@ -263,6 +334,8 @@ def load_native(checkpoint: str, tokenizer: str | None, *, tp: int, pp: int, dty
     model_dict = read_model_config(checkpoint, policy)
     by_name = weight_files(folder)
     check_weight_sizes(by_name, policy, checkpoint)
+    for name, files in by_name.items():  # nanotron's load_weights would leave a gap as the new model's values
+        shard_layout(name, files)
     try:
         check_config_size(hf_config_from(model_dict), sum(f.stat().st_size for fs in by_name.values() for f in fs),
                           f"checkpoint {checkpoint}", policy)

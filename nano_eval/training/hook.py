@@ -262,6 +262,9 @@ class EvalHook:
             result = self._evaluators[index].evaluate(step)
             scored.update(result.tasks)
             failed.update(result.failed)
+            for key in result.non_finite:  # the Evaluator leaves these to its caller: one line, training goes on
+                if self.is_publisher:
+                    print(f"nano_eval: warning: step {step}: {result.failed[key]}", file=sys.stderr, flush=True)
             for key, value in result.timings.items():
                 if key not in ("build_s", "evaluate_s"):
                     timings[key] = timings.get(key, 0.0) + value
