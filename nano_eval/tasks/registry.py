@@ -6,6 +6,7 @@ naming both). Several specs are comma-separated, or listed one per line in a tex
 ignored). A spec whose task is the prefix of tasks named `task:...` expands to all of them (`lighteval|mmlu|5`).
 Custom tasks live in a Python file defining `TASKS_TABLE: list[TaskConfig]` and optionally `TASKS_GROUPS:
 {name: "spec,spec,..."}`, as in lighteval; a group's name is then a spec that stands for its specs.
+Specs of the `lm_eval` suite name lm-evaluation-harness's tasks (nano_eval.tasks.lm_eval_tasks).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from nano_eval.tasks.config import TaskConfig
 from nano_eval.tasks.task import Task, load_datasets
 
 SPEC_FORM = "suite|task|num_fewshot or task|num_fewshot, e.g. 'lighteval|arc:easy|25' or 'arc:easy|25'"
+LM_EVAL_SUITE = "lm_eval"
 LIST_HINT = "see the available tasks with `nano_eval --list-tasks` (or `Registry(...).print_tasks()`)"
 
 
@@ -104,7 +106,8 @@ def _index(table: list[TaskConfig], origin: str) -> dict[str, TaskConfig]:
 class Registry:
     """All known tasks: the built-ins plus, optionally, one custom task file. Built once, never mutated."""
 
-    def __init__(self, custom_tasks: str | os.PathLike | None = None):
+    def __init__(self, custom_tasks: str | os.PathLike | None = None,
+                 lm_eval_include_path: str | os.PathLike | None = None):
         from nano_eval.tasks.default_tasks import TASKS_TABLE
         from nano_eval.tasks.demo_tasks import DEMO_TASKS
 
@@ -122,6 +125,7 @@ class Registry:
                 )
             configs.update(custom)
         self._configs: dict[str, TaskConfig] = configs
+        self._lm_eval_include_path = lm_eval_include_path  # lm-eval's --include_path, for `lm_eval|...` specs
         self._suites = frozenset(full.split("|")[0] for full in configs)
 
     def list_tasks(self) -> dict[str, list[str]]:
@@ -165,6 +169,10 @@ class Registry:
 
     def get_task_instance(self, name: str | TaskSpec, data_dir: str | os.PathLike | None = None) -> Task:
         full = name.full_name if isinstance(name, TaskSpec) else name
+        if full.split("|", 1)[0] == LM_EVAL_SUITE:
+            from nano_eval.tasks.lm_eval_tasks import LmEvalTask
+
+            return LmEvalTask(full.split("|", 1)[1], include_path=self._lm_eval_include_path, data_dir=data_dir)
         if full not in self._configs:
             raise self._unknown(full, full)
         return Task(self._configs[full], data_dir=data_dir, suite=full.split("|")[0])
@@ -182,10 +190,16 @@ class Registry:
         """Parse, validate and expand specs; duplicates are dropped, order is kept."""
         out: list[TaskSpec] = []
         for raw in self._ungroup(_spec_strings(specs), ()):
-            for spec in self._expand(self._parse_one(raw), raw):
+            for spec in self._lm_eval_specs(raw) if raw.split("|", 1)[0].strip() == LM_EVAL_SUITE \
+                    else self._expand(self._parse_one(raw), raw):
                 if spec not in out:
                     out.append(spec)
         return out
+
+    def _lm_eval_specs(self, raw: str) -> list[TaskSpec]:
+        from nano_eval.tasks.lm_eval_tasks import parse_spec
+
+        return parse_spec(raw, self._lm_eval_include_path)
 
     def _ungroup(self, raws: list[str], inside: tuple[str, ...]) -> list[str]:
         """Replace TASKS_GROUPS names by their specs (groups may name groups; a cycle is an error)."""
@@ -256,12 +270,13 @@ def _parse_one(fields: list[str], raw: str, suites: frozenset[str]) -> TaskSpec:
 
 def load_tasks(specs: str | os.PathLike | Iterable[str], *, custom_tasks: str | os.PathLike | None = None,
                data_dir: str | os.PathLike | None = None,
-               bad_documents: dict[str, str] | None = None) -> list[tuple[TaskSpec, Task]]:
+               bad_documents: dict[str, str] | None = None,
+               lm_eval_include_path: str | os.PathLike | None = None) -> list[tuple[TaskSpec, Task]]:
     """Parse `specs`, build their tasks and load every task's evaluation documents (several tasks at a time):
     [(TaskSpec, Task)] in spec order. Bad specs, missing data and unscorable documents fail here, before any model
     is touched; with a `bad_documents` dict, tasks with unscorable documents are left out and recorded there
     ({"suite|task": message}) instead."""
-    registry = Registry(custom_tasks=custom_tasks)
+    registry = Registry(custom_tasks=custom_tasks, lm_eval_include_path=lm_eval_include_path)
     parsed = registry.parse_specs(specs)
     tasks = registry.get_task_dict(parsed, data_dir=data_dir)
     loaded = load_datasets(tasks, processes=min(8, len(tasks)), bad_documents=bad_documents)
