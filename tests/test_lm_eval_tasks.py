@@ -439,3 +439,21 @@ def test_list_tasks_lists_lm_evals_catalogue_and_the_include_path(include_dir, c
     out = capsys.readouterr().out.splitlines()
     assert "  lm_eval|arc_easy" in out and "  lm_eval|mmlu" in out and "  lm_eval|ai2_arc" in out
     assert "  lm_eval|nano_toy_group" in out and "  lm_eval|nano_toy_mc" in out
+
+
+# ---- the training hook --------------------------------------------------------------------------------------------
+
+def test_the_training_hook_scores_a_group_and_keeps_its_members(include_dir, toy_backend, tmp_path, small_bootstrap):
+    from nano_eval.training.config import EvalHookConfig
+    from nano_eval.training.hook import EvalHook
+
+    hook = EvalHook(EvalHookConfig(tasks="lm_eval|nano_toy_group|0,demo|arithmetic|0", max_samples=3,
+                                   lm_eval_include_path=str(include_dir), output_dir=tmp_path), toy_backend)
+    results = hook(5)
+    assert list(results.tasks) == ["lm_eval|nano_toy_group|0", "demo|arithmetic|0", "lm_eval|nano_toy_mc|0",
+                                   "lm_eval|nano_toy_mc_b|0"]
+    document = json.loads((tmp_path / "step_5" / "results.json").read_text())
+    assert set(document["results"]["lm_eval|nano_toy_group|0"]) == {"acc,none", "acc_stderr,none"}
+    flat = hook.flat_metrics(results)  # stderrs stay out of W&B unless log_stderr
+    assert "eval/lm_eval|nano_toy_group|0/acc,none" in flat and "eval/lm_eval|nano_toy_mc|0/acc_norm,none" in flat
+    assert not any("_stderr" in key for key in flat)
