@@ -336,6 +336,7 @@ class LmEvalTask:
         self.num_skipped = 0
         self._loaded: dict | None = None
         self._random_after_load: RandomStates | None = None
+        self._zero_shot_only: set[str] = set()  # tasks whose config pins num_fewshot: 0 (lm-eval never overrides it)
 
     def __repr__(self) -> str:
         return f"LmEvalTask({self.name!r})"
@@ -367,7 +368,6 @@ class LmEvalTask:
                 raise UnsupportedTaskError(
                     f"task {self.name!r} cannot run in nano_eval: lm-eval task {leaf_name!r}: {'; '.join(reasons)}. "
                     "Fix: leave it out of --tasks", task=self.name)
-        # simple_evaluate's --num_fewshot never overrides a task whose config sets num_fewshot: 0
         self._zero_shot_only = {name for name, task in loaded["tasks"].items() if task.get_config("num_fewshot") == 0}
         self._loaded = loaded
         return loaded

@@ -275,7 +275,8 @@ def load_tasks(specs: str | os.PathLike | Iterable[str], *, custom_tasks: str | 
     """Parse `specs`, build their tasks and load every task's evaluation documents (several tasks at a time):
     [(TaskSpec, Task)] in spec order. Bad specs, missing data and unscorable documents fail here, before any model
     is touched; with a `bad_documents` dict, tasks with unscorable documents are left out and recorded there
-    ({"suite|task": message}) instead."""
+    ({"suite|task": message}) instead. `lm_eval_include_path`: a folder of the user's own lm-eval task YAMLs, for
+    `lm_eval|...` specs (lm-eval's --include_path)."""
     registry = Registry(custom_tasks=custom_tasks, lm_eval_include_path=lm_eval_include_path)
     parsed = registry.parse_specs(specs)
     tasks = registry.get_task_dict(parsed, data_dir=data_dir)
