@@ -229,16 +229,16 @@ def test_unsupported_reasons_name_repeats_beams_multimodal_and_code(include_dir)
         assert expected in reasons
 
 
-def test_a_dataset_missing_from_the_mirror_is_one_line_naming_where_to_put_it(tmp_path):
-    with pytest.raises(NanoEvalError) as e:
-        load_tasks("lm_eval|arc_easy|0", data_dir=tmp_path)
+def test_a_dataset_missing_from_the_mirror_is_one_line_naming_where_to_put_it(include_dir, tmp_path):
+    with pytest.raises(NanoEvalError) as e:  # (the include path only shares the catalogue's index with other tests)
+        load_tasks("lm_eval|arc_easy|0", data_dir=tmp_path, lm_eval_include_path=include_dir)
     message = str(e.value)
     assert "\n" not in message
     assert f"Fix: put it at {tmp_path}/allenai/ai2_arc/ARC-Easy/test/" in message
 
 
-def test_few_shot_from_a_split_the_mirror_lacks_names_it(arc_mirror, toy_backend):
-    tasks = load_tasks("lm_eval|arc_easy|3", data_dir=arc_mirror)
+def test_few_shot_from_a_split_the_mirror_lacks_names_it(arc_mirror, include_dir, toy_backend):
+    tasks = load_tasks("lm_eval|arc_easy|3", data_dir=arc_mirror, lm_eval_include_path=include_dir)
     with pytest.raises(NanoEvalError, match=r"3-shot needs split 'train' of lm-eval task 'arc_easy'.*"
                                             + str(arc_mirror / "allenai" / "ai2_arc" / "ARC-Easy" / "train")):
         Evaluator(toy_backend, tasks, EvalConfig(max_samples=2, progress=False))
@@ -372,9 +372,9 @@ def test_parity_group_with_aggregate_metric_list_and_no_process_pool(include_dir
     assert ours["lm_eval|nano_toy_group|2"].num_docs == 2 * LIMIT
 
 
-def test_parity_arc_easy_from_the_offline_mirror(arc_mirror, toy_backend, hf_lm):
-    ours = _nano(toy_backend, "lm_eval|arc_easy|0", None, data_dir=arc_mirror)
-    reference = _reference(hf_lm, "arc_easy", 0, None, data_dir=arc_mirror)
+def test_parity_arc_easy_from_the_offline_mirror(arc_mirror, include_dir, toy_backend, hf_lm):
+    ours = _nano(toy_backend, "lm_eval|arc_easy|0", include_dir, data_dir=arc_mirror)
+    reference = _reference(hf_lm, "arc_easy", 0, include_dir, data_dir=arc_mirror)
     _compare_task(ours["lm_eval|arc_easy|0"], reference["samples"]["arc_easy"], reference["results"]["arc_easy"])
 
 
