@@ -46,8 +46,10 @@ class EvalConfig:
 @dataclass
 class TaskResult:
     key: str  # "suite|task|k"
-    version: int
-    metrics: dict[str, float]  # metric -> value, plus "<metric>_stderr"
+    version: int | float | str | None  # lm-eval tasks carry lm-eval's version
+    # metric -> value, plus "<metric>_stderr"; lm-eval tasks: lm-eval's keys, "<metric>,<filter>" and
+    # "<metric>_stderr,<filter>"
+    metrics: dict[str, float]
     num_docs: int
     skipped_docs: int
     truncated_requests: int
@@ -66,9 +68,10 @@ class EvalResults:
         rows = [("task", "version", "metric", "value", "stderr", "docs")]
         for key, tr in self.tasks.items():
             for name, value in tr.metrics.items():
-                if name.endswith("_stderr"):
+                if name.endswith("_stderr") or "_stderr," in name:
                     continue
-                err = tr.metrics.get(f"{name}_stderr", math.nan)
+                metric, comma, filtered = name.partition(",")
+                err = tr.metrics.get(f"{metric}_stderr{comma}{filtered}", math.nan)
                 rows.append((key, str(tr.version), name, f"{value:.4f}", f"{err:.4f}", str(tr.num_docs)))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
@@ -79,8 +82,8 @@ class EvalResults:
 @dataclass
 class _PreparedTask:
     spec: TaskSpec
-    task: Task
-    docs: list[Doc]
+    task: Task  # or an external task (`external = True`: builds its own requests and scores its own results)
+    docs: list[Doc]  # an external task's own build record
     requests: list[Request]
 
 
@@ -95,8 +98,13 @@ class Evaluator:
         by_type: dict[RequestType, list[Request]] = defaultdict(list)
         chat = chat_renderer(backend.tokenizer) if config.use_chat_template else None
         for spec, task in tasks:
-            docs, requests = build_requests(task, spec.num_fewshot, seed=config.seed, max_samples=config.max_samples,
-                                            system_prompt=config.system_prompt, chat=chat)
+            if getattr(task, "external", False):  # another harness's task (nano_eval.tasks.lm_eval_tasks)
+                docs, requests = task.build_requests(spec.num_fewshot, max_samples=config.max_samples,
+                                                     system_prompt=config.system_prompt, chat=chat)
+            else:
+                docs, requests = build_requests(task, spec.num_fewshot, seed=config.seed,
+                                                max_samples=config.max_samples, system_prompt=config.system_prompt,
+                                                chat=chat)
             self.prepared.append(_PreparedTask(spec, task, docs, requests))
             for r in requests:
                 by_type[r.request_type].append(r)
@@ -139,7 +147,10 @@ class Evaluator:
         tasks, errors = {}, {}
         for p in self.prepared:  # one task's failure (a metric's bug) never loses the others' scores
             try:
-                tasks[p.spec.key] = self._score_task(p, raw)
+                if getattr(p.task, "external", False):  # scored by its harness: {results key: TaskResult}
+                    tasks.update(p.task.score(p.spec, p.docs, raw))
+                else:
+                    tasks[p.spec.key] = self._score_task(p, raw)
             except Exception as e:  # noqa: BLE001 -- reported, and listed in EvalResults.failed
                 errors[p.spec.key] = e
         failed = self._failed_on_any_rank(errors)

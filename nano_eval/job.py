@@ -23,6 +23,7 @@ class EvalJob:
     tasks: str  # "suite|task|k,..." or a file with one spec per line
     custom_tasks: str | None = None  # Python file defining TASKS_TABLE
     data_dir: str | None = None  # offline data mirror
+    lm_eval_include_path: str | None = None  # folder of the user's own lm-eval task YAMLs (lm_eval|... specs)
     output_dir: str = "nano_eval_results"
     details: bool = True  # per-sample details files next to results.json
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -32,6 +33,7 @@ class EvalJob:
         """The `config` section of results.json: the settings recorded with the scores."""
         return {
             "tasks": self.tasks,
+            "lm_eval_include_path": self.lm_eval_include_path,
             "max_samples": self.eval.max_samples,
             "seed": self.eval.seed,
             "add_bos_token": self.eval.add_bos_token,

@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 TORCH_SPEC="${TORCH_SPEC:-torch==2.13.0}"
 PIP="python -m pip install --disable-pip-version-check -q"
 $PIP "$TORCH_SPEC"
-$PIP -e ".[test,parity,nanotron,megatron,report,cluster,lighteval]" "$TORCH_SPEC"
+$PIP -e ".[test,parity,lm-eval,nanotron,megatron,report,cluster,lighteval]" "$TORCH_SPEC"
 # flash-attn's Python package: nanotron's Llama imports it, and its requirement flash-attn>=2.5 resolves to 2.8.x.
 # Built without its CUDA kernels (FLASH_ATTENTION_SKIP_CUDA_BUILD; the CPU tests supply test doubles for them,
 # tests/flash_attn_cpu.py); on a GPU machine set FLASH_ATTN_CUDA=1 to build the kernels (needs nvcc, takes long).

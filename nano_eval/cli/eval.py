@@ -56,7 +56,10 @@ def main(argv: list[str]) -> int:
         if args.list_tasks:
             from nano_eval.tasks import Registry
 
+            from nano_eval.tasks.lm_eval_tasks import print_catalogue
+
             Registry(custom_tasks=args.custom_tasks).print_tasks()
+            print_catalogue(args.lm_eval_include_path)
             return
         folders = (["details"] if not args.no_details else []) + (["toy_checkpoint"] if args.demo else [])
         check_output_paths(args.output_dir, folders=folders, files=["results.json"])  # before any model loads
@@ -79,7 +82,8 @@ def evaluate(job, checkpoint: str):
 
     from nano_eval.tracking.results import output_files
 
-    tasks = load_tasks(job.tasks, custom_tasks=job.custom_tasks, data_dir=job.data_dir)
+    tasks = load_tasks(job.tasks, custom_tasks=job.custom_tasks, data_dir=job.data_dir,
+                       lm_eval_include_path=job.lm_eval_include_path)
     # every file this run will write (details of these tasks included), checked before the model loads
     check_output_paths(job.output_dir, files=output_files([spec.key for spec, _ in tasks], details=job.details))
     return evaluate_checkpoint(job, tasks, checkpoint, job.output_dir)

@@ -137,11 +137,16 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
 def add_task_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("tasks")
     g.add_argument("--tasks", type=task_specs, default=None,
-                   help="comma-separated specs suite|task|num_fewshot, or a file with one per line")
+                   help="comma-separated specs suite|task|num_fewshot, or a file with one per line; "
+                        "lm_eval|<task, group or tag>|<k> runs an lm-evaluation-harness task")
     g.add_argument("--custom-tasks", default=None, help="Python file defining TASKS_TABLE = [TaskConfig(...)]")
     g.add_argument("--data-dir", default=None, help="offline data mirror: <dir>/<hf_repo>/<subset>/<split>")
+    g.add_argument("--lm-eval-include-path", default=None,
+                   help="folder of your own lm-evaluation-harness task YAMLs (its --include_path), for "
+                        "lm_eval|<task>|<k> specs")
     g.add_argument("--max-samples", type=positive_int, default=None,
-                   help="evaluate the first K documents of each task (default: all)")
+                   help="evaluate the first K documents of each task (lm-eval's --limit for lm_eval|... tasks; "
+                        "default: all)")
     g.add_argument("--seed", type=int, default=0, help="few-shot sampling seed")
     g.add_argument("--use-chat-template", action="store_true",
                    help="build each context as a conversation with the tokenizer's chat template (instruct models; "
@@ -174,7 +179,8 @@ def eval_job(args: argparse.Namespace, tasks: str, *, progress: bool = True) -> 
     """The frozen job the parsed arguments describe (`tasks` given apart: the demo fills it in)."""
     batching = BatchingConfig(max_batch_tokens=args.batch_tokens, max_batch_size=args.max_batch_size)
     return EvalJob(
-        tasks=tasks, custom_tasks=args.custom_tasks, data_dir=args.data_dir, output_dir=args.output_dir,
+        tasks=tasks, custom_tasks=args.custom_tasks, data_dir=args.data_dir,
+        lm_eval_include_path=args.lm_eval_include_path, output_dir=args.output_dir,
         details=not args.no_details, load=load_options(args),
         eval=EvalConfig(max_samples=args.max_samples, seed=args.seed, add_bos_token=args.add_bos_token,
                         use_chat_template=args.use_chat_template, system_prompt=args.system_prompt,

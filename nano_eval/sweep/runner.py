@@ -163,7 +163,8 @@ class SweepRunner:
                                 "checkpoints (nanotron <step>/, Megatron iter_*/, HF checkpoint-*/).")
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.is_main = not dist.is_initialized() or dist.get_rank() == 0
-        self.tasks = load_tasks(job.tasks, custom_tasks=job.custom_tasks, data_dir=job.data_dir)
+        self.tasks = load_tasks(job.tasks, custom_tasks=job.custom_tasks, data_dir=job.data_dir,
+                                lm_eval_include_path=job.lm_eval_include_path)
         self.task_keys = [spec.key for spec, _ in self.tasks]
         self.versions = {spec.key: task.version for spec, task in self.tasks}
         self.settler = Settler(options.settle_s)

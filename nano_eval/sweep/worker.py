@@ -106,7 +106,8 @@ def _run_group(job: EvalJob, run_dir: str, items: list[WorkItem], dist_timeout_s
     main = _rank() == 0
     if main:
         print(f"nano_eval job: pid {os.getpid()}, checkpoints {', '.join(i.ckpt.shown for i in items)}", flush=True)
-    tasks = load_tasks(job.tasks, custom_tasks=job.custom_tasks, data_dir=job.data_dir)
+    tasks = load_tasks(job.tasks, custom_tasks=job.custom_tasks, data_dir=job.data_dir,
+                       lm_eval_include_path=job.lm_eval_include_path)
     failed = []
     for item in items:
         name = item.ckpt.name

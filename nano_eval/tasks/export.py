@@ -61,6 +61,10 @@ def export_tasks(specs, out: str | os.PathLike, data_dir: str | os.PathLike | No
     written, errors, done = [], [], set()
     for spec in registry.parse_specs(specs):
         task = registry.get_task_instance(spec)
+        if getattr(task, "external", False):  # an lm_eval|... spec: its data is lm-eval's dataset
+            errors.append(f"{spec.key}: lm-eval tasks are not exported yet. Fix: on a machine with internet, save the "
+                          "dataset (datasets' save_to_disk) at <out>/<dataset_path>/<dataset_name or none>/<split>/")
+            continue
         config = task.config
         if is_local_repo(config.hf_repo):
             log(f"export: {spec.key}: skipped, its data is already local ({config.hf_repo})")

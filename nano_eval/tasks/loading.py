@@ -374,17 +374,21 @@ def _missing(config: TaskConfig, split: str, tried: list[str], hub_error: Except
     return NanoEvalError("\n".join(lines))
 
 
+def mirror_rows(config: TaskConfig, split: str, data_dir: str | os.PathLike, tried: list[str]) -> list[dict] | None:
+    """Rule 1 alone: the split's rows from the offline mirror `data_dir` (its fallbacks included), or None."""
+    root = Path(data_dir).expanduser()
+    rows = search_folder(root / config.hf_repo, config.hf_subset, split, tried, data_root=root)
+    for fallback in _MIRROR_FALLBACKS:
+        if rows is not None:
+            break
+        rows = fallback(config, split, root, tried)
+    return rows
+
+
 def load_split(config: TaskConfig, split: str, data_dir: str | os.PathLike | None = None) -> list[dict]:
     """The rows of one split of a task, `hf_filter` applied; NanoEvalError listing every place tried if absent."""
     tried: list[str] = []
-    rows = None
-    if data_dir is not None:
-        root = Path(data_dir).expanduser()
-        rows = search_folder(root / config.hf_repo, config.hf_subset, split, tried, data_root=root)
-        for fallback in _MIRROR_FALLBACKS:
-            if rows is not None:
-                break
-            rows = fallback(config, split, root, tried)
+    rows = mirror_rows(config, split, data_dir, tried) if data_dir is not None else None
     local = Path(config.hf_repo).expanduser()
     if rows is None and local.exists():
         rows = _load_local(local, config, split, tried)

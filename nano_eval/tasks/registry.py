@@ -6,6 +6,7 @@ naming both). Several specs are comma-separated, or listed one per line in a tex
 ignored). A spec whose task is the prefix of tasks named `task:...` expands to all of them (`lighteval|mmlu|5`).
 Custom tasks live in a Python file defining `TASKS_TABLE: list[TaskConfig]` and optionally `TASKS_GROUPS:
 {name: "spec,spec,..."}`, as in lighteval; a group's name is then a spec that stands for its specs.
+Specs of the `lm_eval` suite name lm-evaluation-harness's tasks (nano_eval.tasks.lm_eval_tasks).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from nano_eval.tasks.task import Task, load_datasets
 
 SPEC_FORM = "suite|task|num_fewshot or task|num_fewshot, e.g. 'lighteval|arc:easy|25' or 'arc:easy|25'"
 TASK_FILE_BYTES = 1 << 20  # a file of task specs (one spec a line: tens of thousands of specs)
+LM_EVAL_SUITE = "lm_eval"
 LIST_HINT = "see the available tasks with `nano_eval --list-tasks` (or `Registry(...).print_tasks()`)"
 
 
@@ -106,7 +108,8 @@ def _index(table: list[TaskConfig], origin: str) -> dict[str, TaskConfig]:
 class Registry:
     """All known tasks: the built-ins plus, optionally, one custom task file. Built once, never mutated."""
 
-    def __init__(self, custom_tasks: str | os.PathLike | None = None):
+    def __init__(self, custom_tasks: str | os.PathLike | None = None,
+                 lm_eval_include_path: str | os.PathLike | None = None):
         from nano_eval.tasks.default_tasks import TASKS_TABLE
         from nano_eval.tasks.demo_tasks import DEMO_TASKS
 
@@ -124,6 +127,7 @@ class Registry:
                 )
             configs.update(custom)
         self._configs: dict[str, TaskConfig] = configs
+        self._lm_eval_include_path = lm_eval_include_path  # lm-eval's --include_path, for `lm_eval|...` specs
         self._suites = frozenset(full.split("|")[0] for full in configs)
 
     def list_tasks(self) -> dict[str, list[str]]:
@@ -167,6 +171,10 @@ class Registry:
 
     def get_task_instance(self, name: str | TaskSpec, data_dir: str | os.PathLike | None = None) -> Task:
         full = name.full_name if isinstance(name, TaskSpec) else name
+        if full.split("|", 1)[0] == LM_EVAL_SUITE:
+            from nano_eval.tasks.lm_eval_tasks import LmEvalTask
+
+            return LmEvalTask(full.split("|", 1)[1], include_path=self._lm_eval_include_path, data_dir=data_dir)
         if full not in self._configs:
             raise self._unknown(full, full)
         return Task(self._configs[full], data_dir=data_dir, suite=full.split("|")[0])
@@ -184,13 +192,19 @@ class Registry:
         """Parse, validate and expand specs; duplicates are dropped, order is kept."""
         out: list[TaskSpec] = []
         for raw in self._ungroup(_spec_strings(specs), ()):
-            for spec in self._expand(self._parse_one(raw), raw):
+            for spec in self._lm_eval_specs(raw) if raw.split("|", 1)[0].strip() == LM_EVAL_SUITE \
+                    else self._expand(self._parse_one(raw), raw):
                 if spec not in out:
                     out.append(spec)
         if not out:  # an empty or truncated tasks file: scoring nothing and exiting 0 would hide it
             shown = str(specs) if isinstance(specs, (str, os.PathLike)) else list(specs)
             raise TaskSpecError(f"no task specs in {shown!r}; expected {SPEC_FORM} (a tasks file holds one per line)")
         return out
+
+    def _lm_eval_specs(self, raw: str) -> list[TaskSpec]:
+        from nano_eval.tasks.lm_eval_tasks import parse_spec
+
+        return parse_spec(raw, self._lm_eval_include_path)
 
     def _ungroup(self, raws: list[str], inside: tuple[str, ...]) -> list[str]:
         """Replace TASKS_GROUPS names by their specs (groups may name groups; a cycle is an error)."""
@@ -274,12 +288,14 @@ def _parse_one(fields: list[str], raw: str, suites: frozenset[str]) -> TaskSpec:
 
 def load_tasks(specs: str | os.PathLike | Iterable[str], *, custom_tasks: str | os.PathLike | None = None,
                data_dir: str | os.PathLike | None = None,
-               bad_documents: dict[str, str] | None = None) -> list[tuple[TaskSpec, Task]]:
+               bad_documents: dict[str, str] | None = None,
+               lm_eval_include_path: str | os.PathLike | None = None) -> list[tuple[TaskSpec, Task]]:
     """Parse `specs`, build their tasks and load every task's evaluation documents (several tasks at a time):
     [(TaskSpec, Task)] in spec order. Bad specs, missing data and unscorable documents fail here, before any model
     is touched; with a `bad_documents` dict, tasks with unscorable documents are left out and recorded there
-    ({"suite|task": message}) instead."""
-    registry = Registry(custom_tasks=custom_tasks)
+    ({"suite|task": message}) instead. `lm_eval_include_path`: a folder of the user's own lm-eval task YAMLs, for
+    `lm_eval|...` specs (lm-eval's --include_path)."""
+    registry = Registry(custom_tasks=custom_tasks, lm_eval_include_path=lm_eval_include_path)
     parsed = registry.parse_specs(specs)
     tasks = registry.get_task_dict(parsed, data_dir=data_dir)
     loaded = load_datasets(tasks, processes=min(8, len(tasks)), bad_documents=bad_documents)

@@ -29,6 +29,7 @@ class EvalHookConfig:
     output_dir: str | os.PathLike = "nano_eval_results"
     custom_tasks: str | None = None  # Python file defining TASKS_TABLE
     data_dir: str | None = None  # offline data mirror
+    lm_eval_include_path: str | None = None  # folder of your own lm-eval task YAMLs (for lm_eval|... specs)
     seed: int = 0  # few-shot sampling seed
     add_bos_token: bool | None = None  # BOS before contexts; None: the tokenizer's own choice (as lm-eval)
     use_chat_template: bool = False  # contexts through the tokenizer's chat template (instruct models)

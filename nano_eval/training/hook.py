@@ -162,7 +162,8 @@ class EvalHook:
             check_output_paths(c.output_dir, files=[JSONL_NAME], option="output_dir")
         bad: dict[str, str] | None = {} if c.fail_soft else None
         if tasks is None:
-            tasks = load_tasks(c.tasks, custom_tasks=c.custom_tasks, data_dir=c.data_dir, bad_documents=bad)
+            tasks = load_tasks(c.tasks, custom_tasks=c.custom_tasks, data_dir=c.data_dir, bad_documents=bad,
+                               lm_eval_include_path=c.lm_eval_include_path)
         caps = sample_caps([spec for spec, _ in tasks], c.max_samples, c.max_samples_per_task)
         batching = BatchingConfig(max_batch_tokens=c.batch_tokens, max_batch_size=c.max_batch_size)
         specs, evaluators = [], []
@@ -270,6 +271,7 @@ class EvalHook:
                     timings[key] = timings.get(key, 0.0) + value
         timings.update(build_s=self.build_seconds, evaluate_s=time.perf_counter() - start)
         ordered = {s.key: scored[s.key] for s in self.specs if s.key in scored}
+        ordered.update((k, v) for k, v in scored.items() if k not in ordered)  # an lm-eval group's members
         return HookResults(tasks=ordered, timings=timings, failed=failed, step=step, consumed_tokens=consumed_tokens,
                            skipped_tasks=skipped)
 
@@ -320,7 +322,8 @@ class EvalHook:
         out = {}
         for key, tr in results.tasks.items():
             for name, value in tr.metrics.items():
-                if name.endswith("_stderr") and not self.config.log_stderr:
+                # nano_eval's "acc_stderr", lm-eval's "acc_stderr,none"
+                if name.partition(",")[0].endswith("_stderr") and not self.config.log_stderr:
                     continue
                 out[metric_key(self.config.metric_prefix, key, name)] = value
         return out

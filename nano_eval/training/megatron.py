@@ -106,7 +106,7 @@ class MegatronEvalHook:
         # documents is skipped with a warning (as EvalHook does), otherwise it fails here too
         bad: dict[str, str] | None = {} if config.fail_soft else None
         self.tasks = load_tasks(config.tasks, custom_tasks=config.custom_tasks, data_dir=config.data_dir,
-                                bad_documents=bad)
+                                bad_documents=bad, lm_eval_include_path=config.lm_eval_include_path)
         self.bad_tasks = bad or {}
         if not dist.is_initialized() or dist.get_rank() == config.publish_rank:
             for name, why in self.bad_tasks.items():

