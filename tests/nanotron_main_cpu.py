@@ -33,9 +33,11 @@ _DONE: set[str] = set()
 
 
 def is_main() -> bool:
-    """Whether the importable nanotron is main (has the Qwen2 model), without importing it."""
-    return importlib.util.find_spec("nanotron") is not None and \
-        importlib.util.find_spec("nanotron.models.qwen") is not None
+    """Whether the importable nanotron is main (has models/qwen.py), without importing it (0.4's package cannot be
+    imported plainly: nano_eval.compat.nanotron)."""
+    spec = importlib.util.find_spec("nanotron")
+    return spec is not None and any((Path(p) / "models" / "qwen.py").is_file()
+                                    for p in spec.submodule_search_locations or ())
 
 
 def install(fix_pp: bool = False) -> None:

@@ -31,6 +31,7 @@ def setup(fix_pp: bool = False) -> None:
 
     torch.set_num_threads(1)
     os.environ.setdefault("LOCAL_RANK", os.environ.get("RANK", "0"))  # main's ParallelContext asserts it (torchrun sets it)
+    os.environ.setdefault("WANDB_MODE", "disabled")
     install(fix_pp=fix_pp)
 
 
@@ -84,12 +85,6 @@ def write_config(path: str, tokenizer_dir: str, run_dir: str, variant: str = "de
         text["nano_eval"] = nano_eval
         Path(path).write_text(yaml.safe_dump(text, sort_keys=False))
     return str(path)
-
-
-def write_configs(rank, world, specs: list[dict]) -> list[str]:
-    """write_config for each spec (run in a 1-process world: nanotron's config classes need the CPU setup)."""
-    setup()
-    return [write_config(**spec) for spec in specs]
 
 
 def parallel_context(tp: int, pp: int, dp: int):
@@ -184,12 +179,12 @@ def own_forward_logits(model, tokens: list[list[int]], first: int, last: int):
     return torch.cat(out) if out else None
 
 
-def backend_vs_model(rank, world, ckpt_dirs: dict, layouts: list, fix_pp: bool = False) -> dict:
-    """For each variant's checkpoint and each (name, tp, pp): the model built as `run.py --backend nanotron` builds
-    it (load_native); the backend's logits on a batch of rows of 3..20 tokens vs the model's own forward on each
-    row alone. Returns {(variant, layout): max |diff| or the error's text} on the last stage's ranks; plus
-    {(variant, layout, "scores"): summary} of a small evaluation."""
-    setup(fix_pp=fix_pp)
+def backend_vs_model(ckpt_dirs: dict, layouts: list, score: tuple = ()) -> dict:
+    """For each variant's checkpoint and each (name, tp, pp[, tp_mode]): the model built as `run.py --backend
+    nanotron` builds it (load_native); the backend's logits on a batch of rows of 3..20 tokens (right-padded) vs
+    the model's own forward on each row alone. Returns {(variant, layout): max |diff|} on the last stage's ranks,
+    or the text of the NanoEvalError every rank raised; and {(variant, layout, "scores"): summary} for the
+    (variant, layout) pairs in `score`."""
     import torch
 
     from nano_eval.checkpoints.nanotron import load_native
@@ -200,9 +195,10 @@ def backend_vs_model(rank, world, ckpt_dirs: dict, layouts: list, fix_pp: bool =
     tokens = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (3, 20, 11, 7)]
     out = {}
     for variant, ckpt in ckpt_dirs.items():
-        for name, tp, pp in layouts:
+        for name, tp, pp, *mode in layouts:
             try:
-                backend = load_native(ckpt, None, tp=tp, pp=pp, dtype="float32", max_length=None)
+                backend = load_native(ckpt, None, tp=tp, pp=pp, dtype="float32", max_length=None,
+                                      tp_mode=(mode or ["ALL_REDUCE"])[0])
             except NanoEvalError as e:
                 out[(variant, name)] = f"NanoEvalError: {e}"
                 continue
@@ -211,9 +207,107 @@ def backend_vs_model(rank, world, ckpt_dirs: dict, layouts: list, fix_pp: bool =
                                       backend.layout.output_pp_rank)
             if got is not None:
                 out[(variant, name)] = (got - want).abs().max().item()
-            out[(variant, name, "scores")] = summarize(backend, TASKS, 256, 6)
+            if (variant, name) in score:
+                out[(variant, name, "scores")] = summarize(backend, TASKS, 256, 6)
     return out
 
 
-def launch_env() -> dict:
-    return {**os.environ, "OMP_NUM_THREADS": "1"}
+def main_world(rank, world, root: str, tokenizer_dir: str, slow: bool) -> dict:
+    """Everything tests/test_nanotron_main.py checks, in ONE world of 2 ranks (imports cost more than the checks):
+    configs, checkpoints of every variant (nanotron's init + save_weights), the backend in several layouts, the
+    training runs with and without evaluation, and (after the upstream pp fixes are installed) the pp2 layouts.
+    `slow`: also pp2 training and more layouts."""
+    import torch.distributed as dist
+
+    setup()
+    root_dir = Path(root)
+    variants = ["dense", "nope", "bias", "swa", "moe"]
+    if rank == 0:
+        for v in variants:
+            write_config(str(root_dir / f"{v}.yaml"), tokenizer_dir, str(root_dir / v), v)
+    dist.barrier()
+    ckpts = {v: str(root_dir / f"ckpt_{v}") for v in variants}
+    for v in variants:
+        make_checkpoint(rank, world, str(root_dir / f"{v}.yaml"), ckpts[v])
+    out = {"ckpts": ckpts}
+    layouts = [("tp2", 2, 1)] + ([("tp1xdp2", 1, 1), ("tp2-reduce_scatter", 2, 1, "REDUCE_SCATTER")] if slow else [])
+    out["backend"] = backend_vs_model(ckpts, layouts, score=(("dense", "tp2"),))
+    out["backend"] |= backend_vs_model({"dense": ckpts["dense"]}, [("tp1xdp2", 1, 1)] if not slow else [])
+    # pp2 on nanotron main as released: refused on both ranks before any forward (no rank left in a P2P receive)
+    out["pp2_unfixed"] = backend_vs_model({"dense": ckpts["dense"]}, [("pp2", 1, 2)])
+
+    training = [("dense", "tp2", dict(tp=2)), ("nope", "dp2", dict(dp=2))]
+    if slow:
+        training += [("moe", "tp2", dict(tp=2)), ("bias", "dp2", dict(dp=2)), ("swa", "tp2", dict(tp=2))]
+    out["training"] = train_layouts(rank, root_dir, tokenizer_dir, training)
+    # the live step-3 scores of the no-RoPE run, against --backend nanotron on its step-3 checkpoint (tp2)
+    nope_run = root_dir / "train_nope_dp2_with"
+    out["nope_step3_native"] = backend_vs_model({"nope": str(nope_run / "checkpoints" / "3")}, [("tp2", 2, 1)],
+                                                score=(("nope", "tp2"),))
+
+    install_pp_fix()
+    out["pp2"] = backend_vs_model({v: ckpts[v] for v in (variants if slow else ["dense", "nope"])}, [("pp2", 1, 2)],
+                                  score=(("nope", "pp2"),))
+    if slow:
+        out["training"] |= train_layouts(rank, root_dir, tokenizer_dir, [("nope", "pp2", dict(pp=2))])
+    return out
+
+
+EVAL_SECTION = {"tasks": "demo|arithmetic|0,demo|arithmetic_ppl|0", "interval": 2, "on_save": True,
+                "max_samples": 6, "batch_tokens": 512}
+
+
+def train_layouts(rank, root: Path, tokenizer_dir: str, layouts: list) -> dict:
+    """Each (variant, name, parallelism) trained twice by hooks/nanotron_eval.py, with and without the
+    `nano_eval:` section: {(variant, name, "with"|"without"): losses}; run folders root/train_<variant>_<name>_*."""
+    import torch.distributed as dist
+
+    runs, keys = [], []
+    for variant, name, parallel in layouts:
+        for kind in ("with", "without"):
+            run = root / f"train_{variant}_{name}_{kind}"
+            section = {**EVAL_SECTION, "output_dir": str(run / "eval")} if kind == "with" else None
+            if rank == 0:
+                run.mkdir(parents=True, exist_ok=True)
+                write_config(str(run / "train.yaml"), tokenizer_dir, str(run), variant, nano_eval=section, **parallel)
+            runs.append({"config": str(run / "train.yaml")})
+            keys.append((variant, name, kind))
+    dist.barrier()
+    losses = train_runs(runs)
+    return {key: losses.get(run["config"]) for key, run in zip(keys, runs)}
+
+
+def install_pp_fix() -> None:
+    from tests.nanotron_main_cpu import install
+
+    install(fix_pp=True)
+
+
+def train_runs(runs: list[dict]) -> dict:
+    """hooks/nanotron_eval.py's `main` (the product's launcher, nanotron main's DistributedTrainer) on each run's
+    config, one after the other in this world; returns {config: [loss of each step]} from the ranks that hold
+    the loss (nanotron's `loss_avg` as its train_step_logs gets it; exact floats)."""
+    import functools
+    import runpy
+
+    import nanotron.trainer as nt_trainer
+
+    losses: dict = {}
+    step_logs = nt_trainer.DistributedTrainer.train_step_logs
+
+    @functools.wraps(step_logs)
+    def train_step_logs(self, outputs, loss_avg, *args, **kwargs):
+        if loss_avg is not None and not loss_avg.isnan():
+            losses.setdefault(current[0], []).append(loss_avg.item())
+        return step_logs(self, outputs, loss_avg, *args, **kwargs)
+
+    nt_trainer.DistributedTrainer.train_step_logs = train_step_logs
+    hook_script = runpy.run_path(str(Path(__file__).resolve().parents[1] / "hooks" / "nanotron_eval.py"))
+    current = [None]
+    try:
+        for run in runs:
+            current[0] = run["config"]
+            hook_script["main"](["--config-file", run["config"]])
+    finally:
+        nt_trainer.DistributedTrainer.train_step_logs = step_logs
+    return losses

@@ -14,6 +14,8 @@ Two things differ from transformers' Llama:
 - rotary layout: nanotron 0.4 trains with interleaved rotary pairs (x[2i], x[2i+1]) (flash-attn `interleaved=True`),
   transformers rotates halves (x[i], x[i + d/2]); permuting each head's q/k rows turns one into the other.
   nanotron main records the layout as `rope_interleaved` in the model config; when it says false, no permutation.
+nanotron main's Qwen2 is such a Llama when it is dense, without qkv bias, sliding window or no-RoPE layers; a model
+config with any of those (UNCONVERTIBLE_FIELDS) is refused by name, pointing to `--backend nanotron`.
 """
 
 from __future__ import annotations
@@ -109,6 +111,43 @@ def read_nanotron_weights(checkpoint: str | Path, policy: FilePolicy = FilePolic
     return weights
 
 
+# model_config fields that change what nanotron main's Qwen2 computes and that the transformers Llama conversion
+# cannot express, with the value that means "off". Fields
+# nanotron's models never read (rope_scaling, pretraining_tp, use_cache) or that only shape training (z_loss_*,
+# _use_doc_masking, log_attn_probs) are not listed: the conversion computes what the trained model computes.
+UNCONVERTIBLE_FIELDS = {
+    "no_rope_layer": (None, "layers without RoPE (SmolLM3)"),
+    "attention_bias": (False, "a bias on the q/k/v projections"),
+    "sliding_window_size": (None, "sliding-window attention"),
+    "moe_config": (None, "mixture-of-experts layers"),
+    "rope_seq_len_interpolation_factor": (None, "interpolated RoPE positions"),
+    "flex_attention_mask": (None, "a flex-attention mask"),
+}
+
+
+def model_class_name(model_config: dict) -> str:
+    """The nanotron config class a config.yaml's model_config was saved from (its `is_*_config` flag)."""
+    flags = {"is_qwen2_config": "Qwen2Config (nanotron main's Qwen2ForTraining)",
+             "is_llama_config": "LlamaConfig (nanotron's LlamaForTraining)"}
+    return next((name for flag, name in flags.items() if model_config.get(flag)), "an unknown model config")
+
+
+def refuse_unconvertible(model_config: dict, checkpoint) -> None:
+    """Refuse, naming the field, a model the transformers Llama conversion would read with silently wrong scores
+    (each field of UNCONVERTIBLE_FIELDS set to anything but its "off" value). nanotron's LlamaForTraining (0.4 and
+    main) reads none of them (main's LlamaConfig has an `attention_bias` its model ignores): Llama configs pass."""
+    if model_config.get("is_llama_config"):
+        return
+    found = [f"{k}: {model_config[k]!r} ({what})" for k, (off, what) in UNCONVERTIBLE_FIELDS.items()
+             if model_config.get(k) not in (None, off)]
+    if found:
+        raise NanoEvalError(
+            f"checkpoint {checkpoint}: config.yaml's model is {model_class_name(model_config)} with "
+            f"{'; '.join(found)}, which the transformers Llama conversion cannot reproduce (its scores would be "
+            f"wrong). Fix: score it with nanotron's own model: torchrun --nproc_per_node=N nano_eval/run.py "
+            f"--backend nanotron --checkpoint {checkpoint} ... (needs nanotron main installed)")
+
+
 def hf_config_from(model_config: dict):
     from transformers import LlamaConfig
 
@@ -160,6 +199,7 @@ def load_nanotron_llama_as_hf(checkpoint: str | Path, model_config: dict | None 
     `model.model_config` section of the checkpoint's config.yaml."""
     if model_config is None:
         model_config = read_model_config(checkpoint, policy)
+    refuse_unconvertible(model_config, checkpoint)
     try:
         config = hf_config_from(model_config)
     except (KeyError, TypeError, ValueError) as e:
