@@ -217,9 +217,13 @@ def main_world(rank, world, root: str, tokenizer_dir: str, slow: bool) -> dict:
     configs, checkpoints of every variant (nanotron's init + save_weights), the backend in several layouts, the
     training runs with and without evaluation, and (after the upstream pp fixes are installed) the pp2 layouts.
     `slow`: also pp2 training and more layouts."""
+    import time
+
     import torch.distributed as dist
 
+    start = time.monotonic()
     setup()
+    times = {"setup": time.monotonic() - start}
     root_dir = Path(root)
     variants = ["dense", "nope", "bias", "swa", "moe"]
     if rank == 0:
@@ -229,17 +233,20 @@ def main_world(rank, world, root: str, tokenizer_dir: str, slow: bool) -> dict:
     ckpts = {v: str(root_dir / f"ckpt_{v}") for v in variants}
     for v in variants:
         make_checkpoint(rank, world, str(root_dir / f"{v}.yaml"), ckpts[v])
-    out = {"ckpts": ckpts}
+    out = {"ckpts": ckpts, "times": times}
+    times["checkpoints"] = time.monotonic() - start
     layouts = [("tp2", 2, 1)] + ([("tp1xdp2", 1, 1), ("tp2-reduce_scatter", 2, 1, "REDUCE_SCATTER")] if slow else [])
     out["backend"] = backend_vs_model(ckpts, layouts, score=(("dense", "tp2"),))
     out["backend"] |= backend_vs_model({"dense": ckpts["dense"]}, [("tp1xdp2", 1, 1)] if not slow else [])
     # pp2 on nanotron main as released: refused on both ranks before any forward (no rank left in a P2P receive)
     out["pp2_unfixed"] = backend_vs_model({"dense": ckpts["dense"]}, [("pp2", 1, 2)])
+    times["backend"] = time.monotonic() - start
 
     training = [("dense", "tp2", dict(tp=2)), ("nope", "dp2", dict(dp=2))]
     if slow:
         training += [("moe", "tp2", dict(tp=2)), ("bias", "dp2", dict(dp=2)), ("swa", "tp2", dict(tp=2))]
     out["training"] = train_layouts(rank, root_dir, tokenizer_dir, training)
+    times["training"] = time.monotonic() - start
     # the live step-3 scores of the no-RoPE run, against --backend nanotron on its step-3 checkpoint (tp2)
     nope_run = root_dir / "train_nope_dp2_with"
     out["nope_step3_native"] = backend_vs_model({"nope": str(nope_run / "checkpoints" / "3")}, [("tp2", 2, 1)],
@@ -250,6 +257,7 @@ def main_world(rank, world, root: str, tokenizer_dir: str, slow: bool) -> dict:
                                   score=(("nope", "pp2"),))
     if slow:
         out["training"] |= train_layouts(rank, root_dir, tokenizer_dir, [("nope", "pp2", dict(pp=2))])
+    times["end"] = time.monotonic() - start
     return out
 
 

@@ -39,9 +39,10 @@ def require_main():
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory, toy_checkpoint):
+def world(request, tmp_path_factory):
     """tests/nanotron_main_worker.main_world in one spawned world of 2 ranks."""
-    require_main()
+    require_main()  # before the toy tokenizer is built
+    toy_checkpoint = request.getfixturevalue("toy_checkpoint")
     from tests.dist_utils import run_distributed
     from tests.nanotron_main_worker import main_world
 
@@ -58,6 +59,7 @@ def _last_stage_values(ranks, part, key):
 
 def test_backend_logits_equal_the_models_own_forward(world):
     _, ranks = world
+    print("world phases (s since start):", {k: round(v, 1) for k, v in ranks[0]["times"].items()})
     keys = {k for r in ranks for k in r["backend"] if len(k) == 2}
     assert {("dense", "tp2"), ("dense", "tp1xdp2"), ("nope", "tp2"), ("moe", "tp2"), ("bias", "tp2"),
             ("swa", "tp2")} <= keys
