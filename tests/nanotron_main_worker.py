@@ -157,9 +157,10 @@ def rows_batch(tokens: list[list[int]]):
                  targets=torch.full((len(rows),), -1))
 
 
-def own_forward_logits(model, tokens: list[list[int]], first: int, last: int):
+def own_forward_logits(model, tokens: list[list[int]], first: int, last: int, multiple: int = 1):
     """The model's own forward on each row ALONE (no padding, positions 0..len-1, as nanotron's collator gives a
-    one-document row): [sum(len), V/tp] on the last stage, None elsewhere."""
+    one-document row): [sum(len), V/tp] on the last stage, None elsewhere. `multiple`: sequence-parallel TP needs
+    the tokens to divide by tp, so rows get that many trailing tokens at most (after the compared ones)."""
     import torch
     import torch.distributed as dist
     from nanotron.parallel.pipeline_parallel.tensor_pointer import TensorPointer
@@ -169,13 +170,13 @@ def own_forward_logits(model, tokens: list[list[int]], first: int, last: int):
     with torch.no_grad():
         for t in tokens:
             if pp_rank == first:
-                ids = torch.tensor([t])
-                pos = torch.arange(len(t)).unsqueeze(0)
+                ids = torch.tensor([t + [0] * (-len(t) % multiple)])
+                pos = torch.arange(ids.shape[1]).unsqueeze(0)
             else:
                 ids = pos = TensorPointer(group_rank=first)
             logits = model.model(input_ids=ids, position_ids=pos)
             if pp_rank == last:
-                out.append(logits)
+                out.append(logits[:len(t)])
     return torch.cat(out) if out else None
 
 
@@ -204,7 +205,7 @@ def backend_vs_model(ckpt_dirs: dict, layouts: list, score: tuple = ()) -> dict:
                 continue
             got = backend.forward(rows_batch(tokens))
             want = own_forward_logits(backend.module, tokens, backend.layout.input_pp_rank,
-                                      backend.layout.output_pp_rank)
+                                      backend.layout.output_pp_rank, backend.seq_multiple)
             if got is not None:
                 out[(variant, name)] = (got - want).abs().max().item()
             if (variant, name) in score:
@@ -236,7 +237,7 @@ def main_world(rank, world, root: str, tokenizer_dir: str, slow: bool) -> dict:
     out = {"ckpts": ckpts, "times": times}
     times["checkpoints"] = time.monotonic() - start
     layouts = [("tp2", 2, 1)] + ([("tp1xdp2", 1, 1), ("tp2-reduce_scatter", 2, 1, "REDUCE_SCATTER")] if slow else [])
-    out["backend"] = backend_vs_model(ckpts, layouts, score=(("dense", "tp2"),))
+    out["backend"] = backend_vs_model(ckpts, layouts, score=tuple((v, "tp2") for v in variants))
     out["backend"] |= backend_vs_model({"dense": ckpts["dense"]}, [("tp1xdp2", 1, 1)] if not slow else [])
     # pp2 on nanotron main as released: refused on both ranks before any forward (no rank left in a P2P receive)
     out["pp2_unfixed"] = backend_vs_model({"dense": ckpts["dense"]}, [("pp2", 1, 2)])

@@ -14,8 +14,9 @@ Two things differ from transformers' Llama:
 - rotary layout: nanotron 0.4 trains with interleaved rotary pairs (x[2i], x[2i+1]) (flash-attn `interleaved=True`),
   transformers rotates halves (x[i], x[i + d/2]); permuting each head's q/k rows turns one into the other.
   nanotron main records the layout as `rope_interleaved` in the model config; when it says false, no permutation.
-nanotron main's Qwen2 is such a Llama when it is dense, without qkv bias, sliding window or no-RoPE layers; a model
-config with any of those (UNCONVERTIBLE_FIELDS) is refused by name, pointing to `--backend nanotron`.
+nanotron main's Qwen2 is such a Llama when it is dense, without qkv bias, sliding window or no-RoPE layers; with
+those it becomes transformers' SmolLM3 (nano_eval.checkpoints.nanotron_qwen2); MoE and the other fields of
+UNCONVERTIBLE_FIELDS are refused by name, pointing to `--backend nanotron`.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pathlib import Path
 import torch
 
 from nano_eval.checkpoints.llama import check_config_size, interleaved_to_half_rotary, llama_from_state_dict
+from nano_eval.checkpoints.nanotron_qwen2 import add_attention_biases, needs_smollm3, smollm3_config_from
 from nano_eval.compat.nanotron import NUMPY_SCALAR_REPR  # no nanotron import: plain regex
 from nano_eval.checkpoints.files import check_safetensors, load_tokenizer, safetensors_header
 from nano_eval.checkpoints.untrusted import CheckpointFileError, FilePolicy, Folder
@@ -111,14 +113,12 @@ def read_nanotron_weights(checkpoint: str | Path, policy: FilePolicy = FilePolic
     return weights
 
 
-# model_config fields that change what nanotron main's Qwen2 computes and that the transformers Llama conversion
-# cannot express, with the value that means "off". Fields
+# model_config fields that change what nanotron main's Qwen2 computes and that no transformers conversion here
+# expresses, with the value that means "off" (no-RoPE layers, qkv bias and sliding window convert to transformers'
+# SmolLM3: nano_eval.checkpoints.nanotron_qwen2). Fields
 # nanotron's models never read (rope_scaling, pretraining_tp, use_cache) or that only shape training (z_loss_*,
 # _use_doc_masking, log_attn_probs) are not listed: the conversion computes what the trained model computes.
 UNCONVERTIBLE_FIELDS = {
-    "no_rope_layer": (None, "layers without RoPE (SmolLM3)"),
-    "attention_bias": (False, "a bias on the q/k/v projections"),
-    "sliding_window_size": (None, "sliding-window attention"),
     "moe_config": (None, "mixture-of-experts layers"),
     "rope_seq_len_interpolation_factor": (None, "interpolated RoPE positions"),
     "flex_attention_mask": (None, "a flex-attention mask"),
@@ -143,7 +143,7 @@ def refuse_unconvertible(model_config: dict, checkpoint) -> None:
     if found:
         raise NanoEvalError(
             f"checkpoint {checkpoint}: config.yaml's model is {model_class_name(model_config)} with "
-            f"{'; '.join(found)}, which the transformers Llama conversion cannot reproduce (its scores would be "
+            f"{'; '.join(found)}, which no transformers conversion reproduces (its scores would be "
             f"wrong). Fix: score it with nanotron's own model: torchrun --nproc_per_node=N nano_eval/run.py "
             f"--backend nanotron --checkpoint {checkpoint} ... (needs nanotron main installed)")
 
@@ -195,8 +195,9 @@ def hf_state_dict(weights: dict[str, torch.Tensor], config, rope_interleaved: bo
 
 def load_nanotron_llama_as_hf(checkpoint: str | Path, model_config: dict | None = None,
                               policy: FilePolicy = FilePolicy()):
-    """A transformers LlamaForCausalLM holding the checkpoint's weights. `model_config` defaults to the
-    `model.model_config` section of the checkpoint's config.yaml."""
+    """A transformers LlamaForCausalLM holding the checkpoint's weights (SmolLM3ForCausalLM for a nanotron main Qwen2
+    with no-RoPE layers, qkv bias or a sliding window: nano_eval.checkpoints.nanotron_qwen2). `model_config`
+    defaults to the `model.model_config` section of the checkpoint's config.yaml."""
     if model_config is None:
         model_config = read_model_config(checkpoint, policy)
     refuse_unconvertible(model_config, checkpoint)
@@ -206,12 +207,21 @@ def load_nanotron_llama_as_hf(checkpoint: str | Path, model_config: dict | None 
         raise NanoEvalError(f"checkpoint {checkpoint}: config.yaml's model.model_config is not a Llama's ({e}). Fix: "
                             "restore config.yaml from the training run.") from e
     weights = read_nanotron_weights(checkpoint, policy)
+    interleaved = bool(model_config.get("rope_interleaved", True))
+    model_class = None
     try:
-        state = hf_state_dict(weights, config, bool(model_config.get("rope_interleaved", True)))
+        state = hf_state_dict(weights, config, interleaved)
+        if needs_smollm3(model_config):  # no-RoPE layers, qkv bias, sliding window: see nanotron_qwen2
+            from transformers import SmolLM3ForCausalLM
+
+            config, model_class = smollm3_config_from(model_config, config), SmolLM3ForCausalLM
+            state = add_attention_biases(state, weights, config,
+                                         interleaved_to_half_rotary if interleaved else (lambda w, heads: w))
     except (KeyError, RuntimeError) as e:
-        raise NanoEvalError(f"checkpoint {checkpoint}: its weights do not fit config.yaml's Llama ({e}). Fix: "
-                            "restore the checkpoint from the training run.") from e
-    return llama_from_state_dict(config, state, f"checkpoint {checkpoint}", policy)
+        raise NanoEvalError(f"checkpoint {checkpoint}: its weights do not fit config.yaml's "
+                            f"{model_class_name(model_config)} ({e}). Fix: restore the checkpoint from the training "
+                            "run.") from e
+    return llama_from_state_dict(config, state, f"checkpoint {checkpoint}", policy, model_class=model_class)
 
 
 def read_config_yaml(checkpoint: str | Path, policy: FilePolicy = FilePolicy()) -> dict:

@@ -145,9 +145,11 @@ def consumed_tokens(trainer) -> int:
     """Training tokens counted so far: nanotron main keeps them in `trainer.metadata.consumed_tokens_total`
     (TrainingMetadata); nanotron 0.4 keeps `trainer.consumed_train_samples` of `sequence_length` tokens each."""
     metadata = getattr(trainer, "metadata", None)
-    if metadata is not None and hasattr(metadata, "consumed_tokens_total"):
+    if metadata is None:
+        return trainer.consumed_train_samples * trainer.sequence_length
+    if getattr(metadata, "consumed_tokens_total", None) is not None:
         return int(metadata.consumed_tokens_total)
-    return trainer.consumed_train_samples * trainer.sequence_length
+    return metadata.consumed_train_samples * trainer.sequence_length  # main's older checkpoints lack the total
 
 
 def build_hook(trainer, options: NanotronEvalOptions) -> EvalHook:
