@@ -24,7 +24,6 @@ this module.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -33,11 +32,10 @@ _DONE: set[str] = set()
 
 
 def is_main() -> bool:
-    """Whether the importable nanotron is main (has models/qwen.py), without importing it (0.4's package cannot be
-    imported plainly: nano_eval.compat.nanotron)."""
-    spec = importlib.util.find_spec("nanotron")
-    return spec is not None and any((Path(p) / "models" / "qwen.py").is_file()
-                                    for p in spec.submodule_search_locations or ())
+    """Whether the importable nanotron is main (has models/qwen.py), without importing it."""
+    from nano_eval.compat.nanotron import has_qwen2
+
+    return has_qwen2()
 
 
 def install(fix_pp: bool = False) -> None:

@@ -226,3 +226,19 @@ def test_consumed_tokens_from_either_trainer():
     assert consumed_tokens(main) == 200
     main.metadata.consumed_tokens_total = None
     assert consumed_tokens(main) == 192
+
+
+def test_backend_nanotron_on_a_qwen2_checkpoint_without_nanotron_main_says_how_to_install_it(tmp_path, capsys):
+    """Before: nanotron 0.4's config parser failed on main's Qwen2 fields with its own message."""
+    from nano_eval.cli import main
+
+    if is_main():
+        pytest.skip("nanotron main is installed here")
+    ckpt = tmp_path / "qwen2_ckpt"
+    (ckpt / "model").mkdir(parents=True)
+    (ckpt / "config.yaml").write_text("model: {model_config: {is_qwen2_config: true}}\ntokenizer: "
+                                      "{tokenizer_name_or_path: x}\n")
+    assert main(["--checkpoint", str(ckpt), "--backend", "nanotron", "--tasks", "demo|arithmetic|0",
+                 "--output-dir", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "nanotron main's Qwen2" in err[0] and "2411b022" in err[0], err

@@ -294,6 +294,14 @@ def load_native(checkpoint: str, tokenizer: str | None, *, tp: int, pp: int, dty
     on CPU with a flash-attn test double and CPU patches that live in tests/.)"""
     import os
 
+    from nano_eval.compat.nanotron import has_qwen2
+
+    if read_model_config(checkpoint, policy).get("is_qwen2_config") and not has_qwen2():
+        raise NanoEvalError(
+            f"checkpoint {checkpoint} holds nanotron main's Qwen2 (config.yaml: is_qwen2_config), which the installed "
+            "nanotron (0.4) does not have. Fix: pip install --no-deps \"nanotron @ git+https://github.com/"
+            "huggingface/nanotron@2411b022a75fb7f7561a1bb4166706da5e1b76de\", or score it with --backend "
+            "transformers (dense, no-RoPE, qkv-bias and sliding-window Qwen2 convert exactly)")
     missing = missing_requirements()
     if missing:
         raise NanoEvalError(

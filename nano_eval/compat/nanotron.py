@@ -144,6 +144,16 @@ def model_inputs(family: str, input_ids, position_ids) -> dict:
     return {"input_ids": input_ids, "input_mask": mask}
 
 
+def has_qwen2() -> bool:
+    """Whether the installed nanotron has main's Qwen2 (models/qwen.py), without importing nanotron."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("nanotron")
+    return spec is not None and any((Path(p) / "models" / "qwen.py").is_file()
+                                    for p in spec.submodule_search_locations or ())
+
+
 def qwen2_pp_bug() -> bool:
     """Whether this nanotron's Qwen2Model fails off the first pipeline stage (upstream bug of main 2411b022:
     `position_ids.numel()` on a TensorPointer, which has no `numel`)."""
