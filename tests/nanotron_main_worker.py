@@ -18,6 +18,7 @@ VARIANTS = {
     "nope": {"no_rope_layer": 4},
     "bias": {"attention_bias": True},
     "swa": {"sliding_window_size": 6},
+    "nope_swa": {"no_rope_layer": 2, "sliding_window_size": 6},  # nanotron drops the window in no-RoPE layers
     "moe": {"moe_config": {"num_experts": 4, "top_k": 2, "moe_intermediate_size": 32,
                            "shared_expert_intermediate_size": 64, "enable_shared_expert": True}},
 }
@@ -226,7 +227,7 @@ def main_world(rank, world, root: str, tokenizer_dir: str, slow: bool) -> dict:
     setup()
     times = {"setup": time.monotonic() - start}
     root_dir = Path(root)
-    variants = ["dense", "nope", "bias", "swa", "moe"]
+    variants = ["dense", "nope", "bias", "swa", "nope_swa", "moe"]
     if rank == 0:
         for v in variants:
             write_config(str(root_dir / f"{v}.yaml"), tokenizer_dir, str(root_dir / v), v)
