@@ -2,12 +2,13 @@
 
     torchrun --nproc_per_node=8 hooks/nanotron_eval.py --config-file examples/nanotron_eval.yaml
 
-The YAML is a normal nanotron config (0.4, or main's with `data_stages:`) plus a `nano_eval:` section (annotated in examples/nanotron_eval.yaml):
-tasks, interval, on_save, max_samples, time_budget_s, batch_tokens, output_dir, W&B options, fail_soft. The
-trainer is nanotron's DistributedTrainer with `NanoEvalTrainerMixin` (nano_eval/training/nanotron.py),
-which builds the evaluation once in `post_init` and runs it from `post_train_step` / `post_save_checkpoint` on
-every rank, in the model's own TP/PP/DP layout. Needs what nanotron's trainer needs: CUDA and flash-attn (the
-test suite runs it on CPU through tests/nanotron_cpu_launch.py, with a flash-attn test double that lives in tests/).
+The YAML is a normal nanotron config (0.4, or main's with `data_stages:`) plus a `nano_eval:` section (annotated
+in examples/nanotron_eval.yaml): tasks, interval, on_save, max_samples, time_budget_s, batch_tokens, output_dir,
+W&B options, fail_soft. The trainer is nanotron's DistributedTrainer with `NanoEvalTrainerMixin`
+(nano_eval/training/nanotron.py), which builds the evaluation once in `post_init` and runs it from
+`post_train_step` / `post_save_checkpoint` on every rank, in the model's own TP/PP/DP layout. Needs what nanotron's
+trainer needs: CUDA and flash-attn (the test suite runs it on CPU with test doubles that live in tests/: nanotron
+0.4 through tests/nanotron_cpu_launch.py, nanotron main through tests/nanotron_main_launch.py).
 To add evaluation to your own launcher instead, replace `DistributedTrainer` by `trainer_class()` and read the
 config with `load_config` (nanotron's parser rejects the unknown `nano_eval:` key otherwise).
 """
