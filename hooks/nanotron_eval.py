@@ -2,12 +2,13 @@
 
     torchrun --nproc_per_node=8 hooks/nanotron_eval.py --config-file examples/nanotron_eval.yaml
 
-The YAML is a normal nanotron 0.4 config plus a `nano_eval:` section (annotated in examples/nanotron_eval.yaml):
-tasks, interval, on_save, max_samples, time_budget_s, batch_tokens, output_dir, W&B options, fail_soft. The
-trainer is nanotron's DistributedTrainer with `NanoEvalTrainerMixin` (nano_eval/training/nanotron.py),
-which builds the evaluation once in `post_init` and runs it from `post_train_step` / `post_save_checkpoint` on
-every rank, in the model's own TP/PP/DP layout. Needs what nanotron's trainer needs: CUDA and flash-attn (the
-test suite runs it on CPU through tests/nanotron_cpu_launch.py, with a flash-attn test double that lives in tests/).
+The YAML is a normal nanotron config (0.4, or main's with `data_stages:`) plus a `nano_eval:` section (annotated
+in examples/nanotron_eval.yaml): tasks, interval, on_save, max_samples, time_budget_s, batch_tokens, output_dir,
+W&B options, fail_soft. The trainer is nanotron's DistributedTrainer with `NanoEvalTrainerMixin`
+(nano_eval/training/nanotron.py), which builds the evaluation once in `post_init` and runs it from
+`post_train_step` / `post_save_checkpoint` on every rank, in the model's own TP/PP/DP layout. Needs what nanotron's
+trainer needs: CUDA and flash-attn (the test suite runs it on CPU with test doubles that live in tests/: nanotron
+0.4 through tests/nanotron_cpu_launch.py, nanotron main through tests/nanotron_main_launch.py).
 To add evaluation to your own launcher instead, replace `DistributedTrainer` by `trainer_class()` and read the
 config with `load_config` (nanotron's parser rejects the unknown `nano_eval:` key otherwise).
 """
@@ -24,8 +25,10 @@ from nano_eval.training.nanotron import config_class, trainer_class  # noqa: E40
 
 
 def get_dataloader(trainer):
-    """The training data, as nanotron 0.4's run_train.py builds it: dummy tokens, or an HF dataset (tokenised and
-    grouped into sequence_length + 1 chunks)."""
+    """The training data, as nanotron's run_train.py builds it: dummy tokens, or (nanotron 0.4) an HF dataset
+    (tokenised and grouped into sequence_length + 1 chunks)."""
+    if hasattr(trainer.config, "data_stages"):
+        return _main_dummy_data(trainer)
     from nanotron.dataloader import clm_process, dummy_infinite_data_generator, get_datasets, get_train_dataloader
     from nanotron.parallel.pipeline_parallel.utils import get_input_output_pp_ranks
     from transformers import AutoTokenizer
@@ -52,6 +55,31 @@ def get_dataloader(trainer):
         consumed_train_samples=trainer.consumed_train_samples, dataloader_num_workers=cfg.data.num_loading_workers,
         seed_worker=cfg.data.seed, dataloader_drop_last=True,
     )
+
+
+def _main_dummy_data(trainer):
+    """nanotron main (`data_stages:`): its dummy data (packed documents for Qwen2), keyed by the stage's name as
+    main's trainer wants it.
+    Real datasets go through nanotron main's own run_train.py with `trainer_class()` (see the module docstring)."""
+    from nanotron.config import Qwen2Config
+    from nanotron.data.dataloader import dummy_infinite_data_generator
+    from nanotron.parallel.pipeline_parallel.utils import get_input_output_pp_ranks
+
+    from nano_eval.errors import NanoEvalError
+
+    stages = trainer.config.data_stages
+    if len(stages) != 1 or stages[0].data.dataset is not None:
+        raise NanoEvalError(f"{sys.argv[0]} runs nanotron main on its dummy data only (one data stage, `dataset: "
+                            "null`). Fix: train with nanotron's own run_train.py, its DistributedTrainer replaced by "
+                            "nano_eval.training.nanotron.trainer_class() and config_class=config_class()")
+    input_pp_rank, output_pp_rank = get_input_output_pp_ranks(model=trainer.model)
+    data = dummy_infinite_data_generator(
+        micro_batch_size=trainer.micro_batch_size, sequence_length=trainer.sequence_length,
+        input_pp_rank=input_pp_rank, output_pp_rank=output_pp_rank, vocab_size=trainer.model_config.vocab_size,
+        seed=stages[0].data.seed, parallel_context=trainer.parallel_context,
+        use_position_ids=isinstance(trainer.model_config, Qwen2Config), cp_pg=trainer.parallel_context.cp_pg,
+    )()
+    return {stages[0].name: data}  # main's trainer takes one data loader per stage name
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -111,8 +111,12 @@ def _patch_trainer() -> None:
     import torch
     import torch.distributed as tdist
 
-    import nanotron.dataloader as dataloader
     import nanotron.distributed as ntdist
+
+    try:
+        import nanotron.dataloader as dataloader  # nanotron 0.4
+    except ImportError:
+        import nanotron.data.dataloader as dataloader  # nanotron main moved it
 
     _CudaLiteralsToCpu().__enter__()  # for the rest of this (test) process
 

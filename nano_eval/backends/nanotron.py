@@ -1,20 +1,30 @@
 """Nanotron backend: score the model object the trainer holds, in its own TP x PP x DP layout.
 
-Inputs enter on the first pipeline stage (other stages pass TensorPointers, as nanotron's own data loader does);
-the model's P2P moves activations between stages; vocab-sharded logits `[S, B, V/tp]` come out of the last
-stage, where we keep only the scored positions. Nothing is rebuilt and no full-vocabulary tensor is gathered.
+Two model contracts (nano_eval.compat.nanotron.model_family): nanotron's LlamaModel (0.4 and main) and nanotron
+main's Qwen2Model (the SmolLM3 code: no-RoPE layers, qkv bias, sliding window, MoE). Inputs enter on the first
+pipeline stage (other stages pass TensorPointers, as nanotron's own data loader does); the model's P2P moves
+activations between stages; vocab-sharded logits come out of the last stage (Llama `[S, B, V/tp]`, Qwen2
+`[B * S, V/tp]`), where we keep only the scored positions. Nothing is rebuilt and no full-vocabulary tensor is
+gathered.
 
-Padding: batches are right-padded, and the model is given an ALL-TRUE mask with positions 0..S-1. nanotron 0.4's
-Llama training path flattens the padded `[B * S]` states and calls flash-attn's varlen kernel with `cu_seqlens`
-taken from the mask's lengths, so a real padding mask makes every row after a padded one read the wrong
-offsets. With an all-true mask each row is one causal sequence of length S: a real token only sees the tokens
-before it, all real, so its logits are exactly those of the unpadded row (the pad tokens after it cost compute,
-not correctness). Under sequence-parallel TP (`tp_mode: REDUCE_SCATTER`) S must divide by tp: more pad tokens
-are appended at the end, which by the same argument changes nothing.
+Padding: batches are right-padded, and each row is given to the model as ONE causal sequence of length S:
+- Llama: an ALL-TRUE mask with positions 0..S-1. nanotron 0.4's Llama training path flattens the padded `[B * S]`
+  states and calls flash-attn's varlen kernel with `cu_seqlens` taken from the mask's lengths, so a real padding
+  mask makes every row after a padded one read the wrong offsets.
+- Qwen2: contiguous position ids 0..S-1 in every row; Qwen2Model starts a document wherever a position is 0, so
+  each row is its own document (its own attention span, its own RoPE positions, its own sliding window).
+A real token only sees the tokens before it, all real, so its logits are exactly those of the unpadded row (the pad
+tokens after it cost compute, not correctness). Under sequence-parallel TP (`tp_mode: REDUCE_SCATTER`) S must
+divide by tp: more pad tokens are appended at the end, which by the same argument changes nothing.
 
-Greedy generation: `incremental_decoder()` decodes from nanotron's own KV cache (its inference `Store` path,
-nano_eval.backends.nanotron_cache), or returns None under tp_mode REDUCE_SCATTER (the prompt is then re-run per
-token).
+Before the first forward, every rank of the world checks the model contract TOGETHER (`_check_contract`: known
+model class, no context parallelism, a nanotron whose Qwen2 can run off the first pipeline stage) and all raise
+the same error when one rank finds a problem: a stage that raised before sending would otherwise leave the next
+stage waiting in its P2P receive for ever.
+
+Greedy generation: `incremental_decoder()` decodes from nanotron 0.4's Llama KV cache (its inference `Store` path,
+nano_eval.backends.nanotron_cache), or returns None (the prompt is re-run per token) under tp_mode REDUCE_SCATTER
+and for Qwen2, which has no inference path in nanotron main.
 """
 
 from __future__ import annotations
@@ -23,7 +33,8 @@ import torch
 import torch.distributed as dist
 
 from nano_eval.backends.base import Batch, note_rerun_generation
-from nano_eval.compat.nanotron import forward_kwargs, import_nanotron
+from nano_eval.compat.nanotron import QWEN2, import_nanotron, model_family, model_inputs, qwen2_pp_bug
+from nano_eval.errors import NanoEvalError
 from nano_eval.parallel import ParallelLayout
 
 
@@ -49,17 +60,56 @@ def _stage_ranks(model) -> tuple[int, int]:
     return (min(ranks), max(ranks)) if ranks else (0, 0)
 
 
+def _contract_problem(model, parallel_context) -> str | None:
+    """What keeps this rank from scoring `model` (None when nothing does); depends on the model's class, the
+    installed nanotron and the layout, so every rank of a healthy setup gets the same answer."""
+    family = model_family(model)
+    if family is None:
+        return (f"the nanotron backend scores nanotron's LlamaModel (nanotron 0.4 or main) or Qwen2Model (nanotron "
+                f"main), not {type(model).__module__}.{type(model).__name__}. Fix: train one of those classes, or "
+                "score a saved checkpoint with --backend transformers")
+    cp = getattr(parallel_context, "context_parallel_size", 1)
+    if cp != 1:
+        return (f"context parallelism (cp={cp}) is not supported by the nanotron backend (every CP rank would need "
+                "its slice of each row). Fix: score the checkpoint with cp=1 (run.py --backend nanotron --tp/--pp)")
+    if family == QWEN2 and parallel_context.pp_pg.size() > 1 and qwen2_pp_bug():
+        return (f"nanotron main's Qwen2Model cannot run with pipeline parallelism (pp={parallel_context.pp_pg.size()}"
+                "): its forward calls position_ids.numel() on a TensorPointer off the first stage (upstream bug in "
+                "nanotron 2411b022; its trainer fails the same way). Fix: pp=1, or a nanotron with that bug fixed")
+    return None
+
+
+def _check_contract(model, parallel_context) -> str:
+    """The model's family, once every rank of the model's world (parallel_context.world_pg) agrees it can be
+    scored; otherwise every rank raises the same NanoEvalError naming the first (global) rank that cannot, so no
+    stage is left waiting for another."""
+    problem = _contract_problem(model, parallel_context)
+    group = getattr(parallel_context, "world_pg", None)
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        problems = [None] * dist.get_world_size(group)
+        dist.all_gather_object(problems, problem, group=group)
+        ranks = dist.get_process_group_ranks(group) if group is not None else range(len(problems))
+        ranked = [(rank, p) for rank, p in zip(ranks, problems) if p is not None]
+        if ranked:
+            rank, problem = ranked[0]
+            raise NanoEvalError(f"[rank {rank}] {problem}.")
+    elif problem is not None:
+        raise NanoEvalError(f"{problem}.")
+    return model_family(model)
+
+
 class NanotronModel:
     """A nanotron model behind the backend protocol (nano_eval.backends.base.Backend).
 
-    `model` is the trainer's model as is: `LlamaForTraining` (we call its `.model`), nanotron main's Qwen2, or any
-    module with the same forward convention returning `[S, B, V/tp]` logits on the last stage.
+    `model` is the trainer's model as is: `LlamaForTraining` / `Qwen2ForTraining` (we call its `.model`), or the
+    LlamaModel / Qwen2Model itself. Every rank of the world must construct it (the contract check is collective).
     """
 
     def __init__(self, model, parallel_context, tokenizer, *, max_length: int, device: str | torch.device = "cpu"):
         import_nanotron()
         self.module = model
-        self.forward_module = getattr(model, "model", model)  # LlamaForTraining wraps LlamaModel (+ loss)
+        self.forward_module = getattr(model, "model", model)  # *ForTraining wraps the model (+ loss)
+        self.family = _check_contract(self.forward_module, parallel_context)
         self.tokenizer, self.max_length = tokenizer, max_length
         self.vocab_size = getattr(getattr(self.forward_module, "config", None), "vocab_size", None)
         self.device = torch.device(device)
@@ -69,8 +119,8 @@ class NanotronModel:
         self.layout = layout_from_parallel_context(parallel_context, first, last, "cuda" if self.device.type == "cuda" else "cpu")
 
     def incremental_decoder(self):
-        """Greedy generation from nanotron's own KV cache (nano_eval.backends.nanotron_cache), or None (generation
-        re-runs the prompt for every token) under tp_mode REDUCE_SCATTER or for a model other than its Llama."""
+        """Greedy generation from nanotron 0.4's Llama KV cache (nano_eval.backends.nanotron_cache), or None
+        (generation re-runs the prompt for every token) under tp_mode REDUCE_SCATTER or for another model."""
         from nano_eval.backends.nanotron_cache import StoreDecoder, unsupported_reason
 
         reason = unsupported_reason(self)
@@ -90,13 +140,17 @@ class NanotronModel:
             extra = -input_ids.shape[1] % self.seq_multiple
             if extra:
                 input_ids = torch.nn.functional.pad(input_ids, (0, extra), value=0)
-            input_mask = torch.ones_like(input_ids, dtype=torch.bool)  # see the module docstring: exact, not an approximation
-            position_ids = torch.arange(input_ids.shape[1], device=self.device).expand_as(input_ids)
+            rows, columns = input_ids.shape
+            # see the module docstring: one causal sequence per row, exact for every real token
+            position_ids = torch.arange(columns, device=self.device).repeat(rows, 1)
         else:
-            input_ids = input_mask = position_ids = TensorPointer(group_rank=lay.input_pp_rank)
-        logits = self.forward_module(**forward_kwargs(self.forward_module, input_ids, input_mask, position_ids))
+            input_ids = position_ids = TensorPointer(group_rank=lay.input_pp_rank)
+        logits = self.forward_module(**model_inputs(self.family, input_ids, position_ids))
         if isinstance(logits, dict):
             logits = logits.get("logits", logits.get("sharded_logits"))
         if not lay.is_output_stage or isinstance(logits, TensorPointer):
             return None
-        return logits[batch.cols.to(logits.device), batch.rows.to(logits.device)]  # [S, B, V/tp] -> [N, V/tp]
+        rows, cols = batch.rows.to(logits.device), batch.cols.to(logits.device)
+        if self.family == QWEN2:  # [B * S, V/tp]; S includes the sequence-parallel padding
+            return logits.view(batch.input_ids.shape[0], -1, logits.shape[-1])[rows, cols]
+        return logits[cols, rows]  # [S, B, V/tp] -> [N, V/tp]

@@ -11,18 +11,22 @@ from nano_eval.checkpoints.untrusted import FilePolicy
 from nano_eval.errors import NanoEvalError
 
 
-def llama_from_state_dict(config, state: dict[str, torch.Tensor], where: str, policy: FilePolicy = FilePolicy()):
-    """LlamaForCausalLM(config) holding `state` exactly: every weight present (lm_head may be the tied embedding),
-    nothing left over, every shape as the config says; otherwise a NanoEvalError naming `where` and what does not
-    fit. The shapes are compared on a meta-device model first, so a config that declares a larger model than its
-    weights is refused before anything is allocated."""
+def llama_from_state_dict(config, state: dict[str, torch.Tensor], where: str, policy: FilePolicy = FilePolicy(),
+                          model_class=None):
+    """LlamaForCausalLM(config) (or `model_class`, a Llama-shaped transformers class such as SmolLM3ForCausalLM)
+    holding `state` exactly: every weight present (lm_head may be the tied embedding), nothing left over, every
+    shape as the config says; otherwise a NanoEvalError naming `where` and what does not fit. The shapes are
+    compared on a meta-device model first, so a config that declares a larger model than its weights is refused
+    before anything is allocated."""
     from transformers import LlamaForCausalLM
 
     check_config_values(config, where)
+    cls = model_class or LlamaForCausalLM
+
     check_module_counts(config, sum(t.numel() * t.element_size() for t in state.values()), where)
     try:
         with torch.device("meta"):
-            expected = {k: v.shape for k, v in LlamaForCausalLM(config).state_dict().items()}
+            expected = {k: v.shape for k, v in cls(config).state_dict().items()}
     except (RuntimeError, ValueError, TypeError, OverflowError, AttributeError) as e:
         raise NanoEvalError(f"{where}: its configuration describes no Llama transformers can build "
                             f"({type(e).__name__}: {' '.join(str(e).split())[:200]}). Fix: restore the configuration "
@@ -36,7 +40,7 @@ def llama_from_state_dict(config, state: dict[str, torch.Tensor], where: str, po
                             f"{unexpected[:5]}, wrong shapes {wrong[:3]}). Fix: check that the checkpoint's "
                             "configuration matches its weights (copy it again if it was edited).")
     policy.check_allocation(sum(v.numel() for v in expected.values()) * 4, where, "the model")
-    model = LlamaForCausalLM(config)
+    model = cls(config)
     model.load_state_dict(state, strict=False)
     if config.tie_word_embeddings:
         model.tie_weights()

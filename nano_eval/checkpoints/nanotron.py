@@ -14,6 +14,9 @@ Two things differ from transformers' Llama:
 - rotary layout: nanotron 0.4 trains with interleaved rotary pairs (x[2i], x[2i+1]) (flash-attn `interleaved=True`),
   transformers rotates halves (x[i], x[i + d/2]); permuting each head's q/k rows turns one into the other.
   nanotron main records the layout as `rope_interleaved` in the model config; when it says false, no permutation.
+nanotron main's Qwen2 is such a Llama when it is dense, without qkv bias, sliding window or no-RoPE layers; with
+those it becomes transformers' SmolLM3 (nano_eval.checkpoints.nanotron_qwen2); MoE and the other fields of
+UNCONVERTIBLE_FIELDS are refused by name, pointing to `--backend nanotron`.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch
 
 from nano_eval.checkpoints.cover import cover_problem
 from nano_eval.checkpoints.llama import check_config_size, interleaved_to_half_rotary, llama_from_state_dict
+from nano_eval.checkpoints.nanotron_qwen2 import add_attention_biases, needs_smollm3, smollm3_config_from
 from nano_eval.compat.nanotron import NUMPY_SCALAR_REPR  # no nanotron import: plain regex
 from nano_eval.checkpoints.files import check_safetensors, load_tokenizer, safetensors_header
 from nano_eval.checkpoints.untrusted import CheckpointFileError, FilePolicy, Folder
@@ -180,6 +184,41 @@ def _pair(text: str, file: Path, name: str) -> tuple[tuple[slice, ...], tuple[sl
     return local, global_
 
 
+# model_config fields that change what nanotron main's Qwen2 computes and that no transformers conversion here
+# expresses, with the value that means "off" (no-RoPE layers, qkv bias and sliding window convert to transformers'
+# SmolLM3: nano_eval.checkpoints.nanotron_qwen2). Fields
+# nanotron's models never read (rope_scaling, pretraining_tp, use_cache) or that only shape training (z_loss_*,
+# _use_doc_masking, log_attn_probs) are not listed: the conversion computes what the trained model computes.
+UNCONVERTIBLE_FIELDS = {
+    "moe_config": (None, "mixture-of-experts layers"),
+    "rope_seq_len_interpolation_factor": (None, "interpolated RoPE positions"),
+    "flex_attention_mask": (None, "a flex-attention mask"),
+}
+
+
+def model_class_name(model_config: dict) -> str:
+    """The nanotron config class a config.yaml's model_config was saved from (its `is_*_config` flag)."""
+    flags = {"is_qwen2_config": "Qwen2Config (nanotron main's Qwen2ForTraining)",
+             "is_llama_config": "LlamaConfig (nanotron's LlamaForTraining)"}
+    return next((name for flag, name in flags.items() if model_config.get(flag)), "an unknown model config")
+
+
+def refuse_unconvertible(model_config: dict, checkpoint) -> None:
+    """Refuse, naming the field, a model the transformers Llama conversion would read with silently wrong scores
+    (each field of UNCONVERTIBLE_FIELDS set to anything but its "off" value). nanotron's LlamaForTraining (0.4 and
+    main) reads none of them (main's LlamaConfig has an `attention_bias` its model ignores): Llama configs pass."""
+    if model_config.get("is_llama_config"):
+        return
+    found = [f"{k}: {model_config[k]!r} ({what})" for k, (off, what) in UNCONVERTIBLE_FIELDS.items()
+             if model_config.get(k) not in (None, off)]
+    if found:
+        raise NanoEvalError(
+            f"checkpoint {checkpoint}: config.yaml's model is {model_class_name(model_config)} with "
+            f"{'; '.join(found)}, which no transformers conversion reproduces (its scores would be "
+            f"wrong). Fix: score it with nanotron's own model: torchrun --nproc_per_node=N nano_eval/run.py "
+            f"--backend nanotron --checkpoint {checkpoint} ... (needs nanotron main installed)")
+
+
 def hf_config_from(model_config: dict):
     from transformers import LlamaConfig
 
@@ -227,22 +266,33 @@ def hf_state_dict(weights: dict[str, torch.Tensor], config, rope_interleaved: bo
 
 def load_nanotron_llama_as_hf(checkpoint: str | Path, model_config: dict | None = None,
                               policy: FilePolicy = FilePolicy()):
-    """A transformers LlamaForCausalLM holding the checkpoint's weights. `model_config` defaults to the
-    `model.model_config` section of the checkpoint's config.yaml."""
+    """A transformers LlamaForCausalLM holding the checkpoint's weights (SmolLM3ForCausalLM for a nanotron main Qwen2
+    with no-RoPE layers, qkv bias or a sliding window: nano_eval.checkpoints.nanotron_qwen2). `model_config`
+    defaults to the `model.model_config` section of the checkpoint's config.yaml."""
     if model_config is None:
         model_config = read_model_config(checkpoint, policy)
+    refuse_unconvertible(model_config, checkpoint)
     try:
         config = hf_config_from(model_config)
     except (KeyError, TypeError, ValueError) as e:
         raise NanoEvalError(f"checkpoint {checkpoint}: config.yaml's model.model_config is not a Llama's ({e}). Fix: "
                             "restore config.yaml from the training run.") from e
     weights = read_nanotron_weights(checkpoint, policy)
+    interleaved = bool(model_config.get("rope_interleaved", True))
+    model_class = None
     try:
-        state = hf_state_dict(weights, config, bool(model_config.get("rope_interleaved", True)))
+        state = hf_state_dict(weights, config, interleaved)
+        if needs_smollm3(model_config):  # no-RoPE layers, qkv bias, sliding window: see nanotron_qwen2
+            from transformers import SmolLM3ForCausalLM
+
+            config, model_class = smollm3_config_from(model_config, config), SmolLM3ForCausalLM
+            state = add_attention_biases(state, weights, config,
+                                         interleaved_to_half_rotary if interleaved else (lambda w, heads: w))
     except (KeyError, RuntimeError) as e:
-        raise NanoEvalError(f"checkpoint {checkpoint}: its weights do not fit config.yaml's Llama ({e}). Fix: "
-                            "restore the checkpoint from the training run.") from e
-    return llama_from_state_dict(config, state, f"checkpoint {checkpoint}", policy)
+        raise NanoEvalError(f"checkpoint {checkpoint}: its weights do not fit config.yaml's "
+                            f"{model_class_name(model_config)} ({e}). Fix: restore the checkpoint from the training "
+                            "run.") from e
+    return llama_from_state_dict(config, state, f"checkpoint {checkpoint}", policy, model_class=model_class)
 
 
 def read_config_yaml(checkpoint: str | Path, policy: FilePolicy = FilePolicy()) -> dict:
@@ -315,6 +365,14 @@ def load_native(checkpoint: str, tokenizer: str | None, *, tp: int, pp: int, dty
     on CPU with a flash-attn test double and CPU patches that live in tests/.)"""
     import os
 
+    from nano_eval.compat.nanotron import has_qwen2
+
+    if read_model_config(checkpoint, policy).get("is_qwen2_config") and not has_qwen2():
+        raise NanoEvalError(
+            f"checkpoint {checkpoint} holds nanotron main's Qwen2 (config.yaml: is_qwen2_config), which the installed "
+            "nanotron (0.4) does not have. Fix: pip install --no-deps \"nanotron @ git+https://github.com/"
+            "huggingface/nanotron@2411b022a75fb7f7561a1bb4166706da5e1b76de\", or score it with --backend "
+            "transformers (dense, no-RoPE, qkv-bias and sliding-window Qwen2 convert exactly)")
     missing = missing_requirements()
     if missing:
         raise NanoEvalError(

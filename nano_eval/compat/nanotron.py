@@ -5,7 +5,12 @@
   issues 191 and 235). We import `nanotron.logging` against a placeholder config module (it only uses
   `LoggingArgs` in a type hint), then import the real config.
 - `ParallelContext.set_device` calls CUDA; `CPUParallelContext` skips it so the parallel modules run on gloo.
-- Llama (0.4 and main) takes `input_ids, input_mask`; Qwen2 (main) takes `input_ids, position_ids`.
+- Two model contracts (`model_family`): nanotron's LlamaModel (0.4 and main) takes `input_ids, input_mask`
+  `[B, S]` and returns logits `[S, B, V/tp]`; nanotron main's Qwen2Model takes `input_ids` and FLAT-viewable
+  `position_ids` `[B, S]` (it calls `.view(-1)`, so no stride-0 expand), starts a new document (its own causal
+  attention span, `cu_seqlens`) wherever a position is 0, and returns logits `[B * S, V/tp]`.
+- nanotron main (2411b022) cannot run a Qwen2 forward with pp > 1: `Qwen2Model.forward` calls
+  `position_ids.numel()` on every stage, a TensorPointer (no `numel`) off the first one (`qwen2_pp_bug`).
 - Under numpy >= 2, nanotron 0.4's `save_weights` writes the unsharded shape of chunked column linears (Llama's
   qkv_proj, gate_up_proj) as "(np.int64(192), 64)", which its own metadata parser cannot read, so `load_weights`
   fails whenever it must reshard. We teach the parser to read those strings (reading only; files are unchanged).
@@ -113,11 +118,45 @@ def cpu_parallel_context(tp: int, pp: int, dp: int):
     return CPUParallelContext(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp)
 
 
-def forward_kwargs(model, input_ids, input_mask, position_ids) -> dict:
-    """The keyword arguments the model's `forward` takes: Llama wants input_mask, Qwen2 (nanotron main) position_ids."""
-    import inspect
+LLAMA, QWEN2 = "llama", "qwen2"
 
-    params = inspect.signature(model.forward).parameters
-    if "position_ids" in params and "input_mask" not in params:
-        return {"input_ids": input_ids, "position_ids": position_ids}
-    return {"input_ids": input_ids, "input_mask": input_mask}
+
+def model_family(model) -> str | None:
+    """LLAMA or QWEN2 for nanotron's own LlamaModel / Qwen2Model (subclasses included); None for anything else.
+    Looks only at modules already imported (the model's own), so it never imports nanotron main's Qwen2."""
+    families = ((LLAMA, "nanotron.models.llama", "LlamaModel"), (QWEN2, "nanotron.models.qwen", "Qwen2Model"))
+    for family, module_name, class_name in families:
+        cls = getattr(sys.modules.get(module_name), class_name, None)
+        if cls is not None and isinstance(model, cls):
+            return family
+    return None
+
+
+def model_inputs(family: str, input_ids, position_ids) -> dict:
+    """The keyword arguments of the model's `forward` (see the module docstring): Llama gets an all-true mask,
+    Qwen2 contiguous position ids (each row of `position_ids` starts at 0, so each row is its own document)."""
+    import torch
+
+    if family == QWEN2:
+        ids = position_ids if not isinstance(position_ids, torch.Tensor) else position_ids.contiguous()
+        return {"input_ids": input_ids, "position_ids": ids}
+    mask = torch.ones_like(input_ids, dtype=torch.bool) if isinstance(input_ids, torch.Tensor) else input_ids
+    return {"input_ids": input_ids, "input_mask": mask}
+
+
+def has_qwen2() -> bool:
+    """Whether the installed nanotron has main's Qwen2 (models/qwen.py), without importing nanotron."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("nanotron")
+    return spec is not None and any((Path(p) / "models" / "qwen.py").is_file()
+                                    for p in spec.submodule_search_locations or ())
+
+
+def qwen2_pp_bug() -> bool:
+    """Whether this nanotron's Qwen2Model fails off the first pipeline stage (upstream bug of main 2411b022:
+    `position_ids.numel()` on a TensorPointer, which has no `numel`)."""
+    from nanotron.parallel.pipeline_parallel.tensor_pointer import TensorPointer
+
+    return not hasattr(TensorPointer, "numel")

@@ -1,13 +1,14 @@
 """nano_eval inside nanotron's DistributedTrainer: a `nano_eval:` section in the training YAML and a trainer mixin.
 
-nanotron's trainer offers hook methods that do nothing by default; the mixin fills them in. In nanotron 0.4 they
-run in this order:
+nanotron's trainer offers hook methods that do nothing by default; the mixin fills them in. In nanotron 0.4 and
+main they run in this order:
 
     __init__ ... post_init()              model, parallel_context and optimizer exist: build the EvalHook (tasks
                                           loaded and tokenised once, on every rank)
     each step:  training_step() ... post_train_step()
-                                          `iteration_step` is the step just trained; `consumed_train_samples` does
-                                          not count it yet
+                                          `iteration_step` is the step just trained; the consumed counts
+                                          (0.4: `consumed_train_samples`, main: `metadata.consumed_tokens_total`)
+                                          do not count it yet
                 save_checkpoint() ... post_save_checkpoint()   (every checkpoint_interval, after the count)
     post_training()                       close the hook (finishes a W&B run only if the hook opened it)
 
@@ -124,20 +125,31 @@ class NanoEvalTrainerMixin:
 
     def post_train_step(self):
         super().post_train_step()
-        if self.nano_eval_hook is not None:  # the step just trained is not yet in consumed_train_samples
-            samples = self.consumed_train_samples + self.global_batch_size
-            self.nano_eval_hook.maybe_evaluate(self.iteration_step, consumed_tokens=samples * self.sequence_length)
+        if self.nano_eval_hook is not None:  # the step just trained is not yet counted (0.4 and main)
+            tokens = consumed_tokens(self) + self.global_batch_size * self.sequence_length
+            self.nano_eval_hook.maybe_evaluate(self.iteration_step, consumed_tokens=tokens)
 
     def post_save_checkpoint(self):
         super().post_save_checkpoint()
         hook = self.nano_eval_hook
         if hook is not None and self.nano_eval_options.on_save and hook.last_step != self.iteration_step:
-            hook(self.iteration_step, consumed_tokens=self.consumed_train_samples * self.sequence_length)
+            hook(self.iteration_step, consumed_tokens=consumed_tokens(self))
 
     def post_training(self):
         super().post_training()
         if self.nano_eval_hook is not None:
             self.nano_eval_hook.close()
+
+
+def consumed_tokens(trainer) -> int:
+    """Training tokens counted so far: nanotron main keeps them in `trainer.metadata.consumed_tokens_total`
+    (TrainingMetadata); nanotron 0.4 keeps `trainer.consumed_train_samples` of `sequence_length` tokens each."""
+    metadata = getattr(trainer, "metadata", None)
+    if metadata is None:
+        return trainer.consumed_train_samples * trainer.sequence_length
+    if getattr(metadata, "consumed_tokens_total", None) is not None:
+        return int(metadata.consumed_tokens_total)
+    return metadata.consumed_train_samples * trainer.sequence_length  # main's older checkpoints lack the total
 
 
 def build_hook(trainer, options: NanotronEvalOptions) -> EvalHook:

@@ -1,0 +1,1 @@
+"""TEST DOUBLE of the `grouped_gemm` package (CUDA/CUTLASS only); see ops.py."""

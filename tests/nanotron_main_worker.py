@@ -1,0 +1,323 @@
+"""Code that runs inside spawned ranks of tests/test_nanotron_main.py: nanotron MAIN's REAL Qwen2ForTraining and
+DistributedTrainer on CPU/gloo (tests/nanotron_main_cpu.py installs the CPU setup in each rank).
+
+Tiny Qwen2 (hidden 64, 4 layers, 4 heads / 2 kv heads, vocab 544 >= the toy tokenizer's 537 tokens) in the variants
+nanotron main offers: dense, no-RoPE layers (SmolLM3's `no_rope_layer: 4`: layer 4 skips RoPE), qkv bias, sliding
+window, MoE (4 experts, top 2, shared expert). Configs are written with nanotron main's own Config classes and
+`save_as_yaml`, checkpoints with its own init_model_randomly / save_weights.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+VOCAB, HIDDEN, LAYERS, HEADS, KV_HEADS, FFN, SEQ = 544, 64, 4, 4, 2, 128, 32
+VARIANTS = {
+    "dense": {},
+    "nope": {"no_rope_layer": 4},
+    "bias": {"attention_bias": True},
+    "swa": {"sliding_window_size": 6},
+    "nope_swa": {"no_rope_layer": 2, "sliding_window_size": 6},  # nanotron drops the window in no-RoPE layers
+    "moe": {"moe_config": {"num_experts": 4, "top_k": 2, "moe_intermediate_size": 32,
+                           "shared_expert_intermediate_size": 64, "enable_shared_expert": True}},
+}
+TASKS = "demo|arithmetic|0,demo|arithmetic_ppl|0,demo|arithmetic_gen|0"
+
+
+def setup(fix_pp: bool = False) -> None:
+    import torch
+
+    from tests.nanotron_main_cpu import install
+
+    torch.set_num_threads(1)
+    os.environ.setdefault("LOCAL_RANK", os.environ.get("RANK", "0"))  # main's ParallelContext asserts it (torchrun sets it)
+    os.environ.setdefault("WANDB_MODE", "disabled")
+    install(fix_pp=fix_pp)
+
+
+def qwen2_config(variant: str):
+    from nanotron.config.models_config import MoEConfig, Qwen2Config
+
+    extra = dict(VARIANTS[variant])
+    if "moe_config" in extra:
+        extra["moe_config"] = MoEConfig(**extra["moe_config"])
+    return Qwen2Config(
+        bos_token_id=1, eos_token_id=2, hidden_act="silu", hidden_size=HIDDEN, intermediate_size=FFN,
+        max_position_embeddings=SEQ * 2, num_attention_heads=HEADS, num_hidden_layers=LAYERS,
+        num_key_value_heads=KV_HEADS, rms_norm_eps=1e-6, rope_theta=10000.0, rope_interleaved=False,
+        tie_word_embeddings=True, vocab_size=VOCAB, _attn_implementation="flash_attention_2", _use_doc_masking=True,
+        log_attn_probs=False, **extra)
+
+
+def write_config(path: str, tokenizer_dir: str, run_dir: str, variant: str = "dense", *, tp=1, pp=1, dp=1,
+                 steps: int = 4, save_every: int = 3, nano_eval: dict | None = None) -> str:
+    """A nanotron main training YAML (nanotron's own Config and save_as_yaml), dummy data, fp32, AdamW; with
+    `nano_eval`, that section appended."""
+    import torch
+    import yaml
+    from nanotron.config import (AdamWOptimizerArgs, CheckpointsArgs, Config, DataArgs, DatasetStageArgs,
+                                 GeneralArgs, LoggingArgs, LRSchedulerArgs, ModelArgs, OptimizerArgs,
+                                 ParallelismArgs, RandomInit, TokenizerArgs, TokensArgs)
+
+    run = Path(run_dir).resolve()
+    config = Config(
+        general=GeneralArgs(project="nano_eval_tests", run=f"qwen2_{variant}", seed=42),
+        parallelism=ParallelismArgs(dp=dp, pp=pp, tp=tp, pp_engine="1f1b", tp_mode="ALL_REDUCE",
+                                    tp_linear_async_communication=False),
+        model=ModelArgs(model_config=qwen2_config(variant), init_method=RandomInit(std=0.15), dtype=torch.float32),
+        tokenizer=TokenizerArgs(tokenizer_name_or_path=str(tokenizer_dir)),
+        checkpoints=CheckpointsArgs(checkpoints_path=run / "checkpoints", checkpoint_interval=save_every,
+                                    save_final_state=False),
+        logging=LoggingArgs(log_level="info", log_level_replica="info", iteration_step_info_interval=1),
+        tokens=TokensArgs(sequence_length=SEQ, train_steps=steps, micro_batch_size=2, batch_accumulation_per_replica=1),
+        optimizer=OptimizerArgs(
+            optimizer_factory=AdamWOptimizerArgs(adam_eps=1e-8, adam_beta1=0.9, adam_beta2=0.95,
+                                                 torch_adam_is_fused=False),
+            zero_stage=0, weight_decay=0.0, clip_grad=1.0, accumulate_grad_in_fp32=False,
+            learning_rate_scheduler=LRSchedulerArgs(learning_rate=3e-3, lr_warmup_steps=1, lr_warmup_style="linear",
+                                                    lr_decay_style="cosine", min_decay_lr=3e-4)),
+        data_stages=[DatasetStageArgs(name="dummy", start_training_step=1,
+                                      data=DataArgs(dataset=None, seed=42, num_loading_workers=0))],
+    )
+    config.save_as_yaml(str(path))
+    if nano_eval is not None:
+        text = yaml.safe_load(Path(path).read_text())
+        text["nano_eval"] = nano_eval
+        Path(path).write_text(yaml.safe_dump(text, sort_keys=False))
+    return str(path)
+
+
+def parallel_context(tp: int, pp: int, dp: int):
+    from nanotron.parallel import ParallelContext
+
+    return ParallelContext(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp)
+
+
+def build_qwen2(pc, model_config, tp_mode: str = "ALL_REDUCE"):
+    """nanotron main's Qwen2ForTraining in `pc`'s layout (build_model, fp32, cpu)."""
+    import torch
+    from nanotron.config import ParallelismArgs
+    from nanotron.models import build_model
+    from nanotron.models.qwen import Qwen2ForTraining
+    from nanotron.parallel.tensor_parallel.enum import TensorParallelLinearMode
+    from nanotron.trainer import mark_tied_parameters
+
+    parallel = ParallelismArgs(dp=pc.dp_pg.size(), pp=pc.pp_pg.size(), tp=pc.tp_pg.size(),
+                               tp_mode=TensorParallelLinearMode[tp_mode], tp_linear_async_communication=False)
+    model = build_model(
+        model_builder=lambda: Qwen2ForTraining(config=model_config, parallel_context=pc, parallel_config=parallel,
+                                               random_states=None),
+        parallel_context=pc, dtype=torch.float32, device=torch.device("cpu"))
+    mark_tied_parameters(model=model, parallel_context=pc, parallel_config=parallel)
+    return model
+
+
+def make_checkpoint(rank, world, config_path: str, ckpt_dir: str, seed: int = 0) -> None:
+    """nanotron main's init_model_randomly (tp1, seeded) + save_weights, its checkpoint metadata and config.yaml,
+    as its trainer saves them (dp = world)."""
+    import shutil
+
+    import torch
+    import torch.distributed as dist
+    from nanotron.serialize import save_weights
+    from nanotron.serialize.metadata import TrainingMetadata, save_meta
+
+    from nano_eval.training.nanotron import load_config
+
+    config = load_config(config_path)
+    pc = parallel_context(1, 1, world)
+    model = build_qwen2(pc, config.model.model_config)
+    torch.manual_seed(seed)
+    model.init_model_randomly(config=config)
+    save_weights(model, pc, Path(ckpt_dir))
+    meta = TrainingMetadata(consumed_train_samples=0, last_train_step=0, last_stage_idx=0, data_stages=[],
+                            consumed_tokens_total=0)
+    save_meta(pc, Path(ckpt_dir), meta)
+    if rank == 0:
+        shutil.copy(config_path, Path(ckpt_dir) / "config.yaml")
+    dist.barrier()
+
+
+def rows_batch(tokens: list[list[int]]):
+    """A right-padded Batch scoring every position of each row (rows of different lengths)."""
+    import torch
+
+    from nano_eval.backends.base import Batch
+
+    width = max(len(t) for t in tokens)
+    ids = torch.zeros(len(tokens), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    rows, cols = [], []
+    for r, t in enumerate(tokens):
+        ids[r, :len(t)] = torch.tensor(t)
+        mask[r, :len(t)] = 1
+        rows += [r] * len(t)
+        cols += list(range(len(t)))
+    return Batch(input_ids=ids, attention_mask=mask, rows=torch.tensor(rows), cols=torch.tensor(cols),
+                 targets=torch.full((len(rows),), -1))
+
+
+def own_forward_logits(model, tokens: list[list[int]], first: int, last: int, multiple: int = 1):
+    """The model's own forward on each row ALONE (no padding, positions 0..len-1, as nanotron's collator gives a
+    one-document row): [sum(len), V/tp] on the last stage, None elsewhere. `multiple`: sequence-parallel TP needs
+    the tokens to divide by tp, so rows get that many trailing tokens at most (after the compared ones)."""
+    import torch
+    import torch.distributed as dist
+    from nanotron.parallel.pipeline_parallel.tensor_pointer import TensorPointer
+
+    out = []
+    pp_rank = dist.get_rank(model.parallel_context.pp_pg)
+    with torch.no_grad():
+        for t in tokens:
+            if pp_rank == first:
+                ids = torch.tensor([t + [0] * (-len(t) % multiple)])
+                pos = torch.arange(ids.shape[1]).unsqueeze(0)
+            else:
+                ids = pos = TensorPointer(group_rank=first)
+            logits = model.model(input_ids=ids, position_ids=pos)
+            if pp_rank == last:
+                out.append(logits[:len(t)])
+    return torch.cat(out) if out else None
+
+
+def backend_vs_model(ckpt_dirs: dict, layouts: list, score: tuple = ()) -> dict:
+    """For each variant's checkpoint and each (name, tp, pp[, tp_mode]): the model built as `run.py --backend
+    nanotron` builds it (load_native); the backend's logits on a batch of rows of 3..20 tokens (right-padded) vs
+    the model's own forward on each row alone. Returns {(variant, layout): max |diff|} on the last stage's ranks,
+    or the text of the NanoEvalError every rank raised; and {(variant, layout, "scores"): summary} for the
+    (variant, layout) pairs in `score`."""
+    import torch
+
+    from nano_eval.checkpoints.nanotron import load_native
+    from nano_eval.errors import NanoEvalError
+    from tests.nanotron_worker import summarize
+
+    g = torch.Generator().manual_seed(7)
+    tokens = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (3, 20, 11, 7)]
+    out = {}
+    for variant, ckpt in ckpt_dirs.items():
+        for name, tp, pp, *mode in layouts:
+            try:
+                backend = load_native(ckpt, None, tp=tp, pp=pp, dtype="float32", max_length=None,
+                                      tp_mode=(mode or ["ALL_REDUCE"])[0])
+            except NanoEvalError as e:
+                out[(variant, name)] = f"NanoEvalError: {e}"
+                continue
+            got = backend.forward(rows_batch(tokens))
+            want = own_forward_logits(backend.module, tokens, backend.layout.input_pp_rank,
+                                      backend.layout.output_pp_rank, backend.seq_multiple)
+            if got is not None:
+                out[(variant, name)] = (got - want).abs().max().item()
+            if (variant, name) in score:
+                out[(variant, name, "scores")] = summarize(backend, TASKS, 256, 6)
+    return out
+
+
+def main_world(rank, world, root: str, tokenizer_dir: str, slow: bool) -> dict:
+    """Everything tests/test_nanotron_main.py checks, in ONE world of 2 ranks (imports cost more than the checks):
+    configs, checkpoints of every variant (nanotron's init + save_weights), the backend in several layouts, the
+    training runs with and without evaluation, and (after the upstream pp fixes are installed) the pp2 layouts.
+    `slow`: also pp2 training and more layouts."""
+    import time
+
+    import torch.distributed as dist
+
+    start = time.monotonic()
+    setup()
+    times = {"setup": time.monotonic() - start}
+    root_dir = Path(root)
+    variants = ["dense", "nope", "bias", "swa", "nope_swa", "moe"]
+    if rank == 0:
+        for v in variants:
+            write_config(str(root_dir / f"{v}.yaml"), tokenizer_dir, str(root_dir / v), v)
+    dist.barrier()
+    ckpts = {v: str(root_dir / f"ckpt_{v}") for v in variants}
+    for v in variants:
+        make_checkpoint(rank, world, str(root_dir / f"{v}.yaml"), ckpts[v])
+    out = {"ckpts": ckpts, "times": times}
+    times["checkpoints"] = time.monotonic() - start
+    layouts = [("tp2", 2, 1)] + ([("tp1xdp2", 1, 1), ("tp2-reduce_scatter", 2, 1, "REDUCE_SCATTER")] if slow else [])
+    out["backend"] = backend_vs_model(ckpts, layouts, score=tuple((v, "tp2") for v in variants))
+    out["backend"] |= backend_vs_model({"dense": ckpts["dense"]}, [("tp1xdp2", 1, 1)] if not slow else [])
+    # pp2 on nanotron main as released: refused on both ranks before any forward (no rank left in a P2P receive)
+    out["pp2_unfixed"] = backend_vs_model({"dense": ckpts["dense"]}, [("pp2", 1, 2)])
+    times["backend"] = time.monotonic() - start
+
+    training = [("dense", "tp2", dict(tp=2)), ("nope", "dp2", dict(dp=2))]
+    if slow:
+        training += [("moe", "tp2", dict(tp=2)), ("bias", "dp2", dict(dp=2)), ("swa", "tp2", dict(tp=2))]
+    out["training"] = train_layouts(rank, root_dir, tokenizer_dir, training)
+    times["training"] = time.monotonic() - start
+    # the live step-3 scores of the no-RoPE run, against --backend nanotron on its step-3 checkpoint (tp2)
+    nope_run = root_dir / "train_nope_dp2_with"
+    out["nope_step3_native"] = backend_vs_model({"nope": str(nope_run / "checkpoints" / "3")}, [("tp2", 2, 1)],
+                                                score=(("nope", "tp2"),))
+
+    install_pp_fix()
+    out["pp2"] = backend_vs_model({v: ckpts[v] for v in (variants if slow else ["dense", "nope"])}, [("pp2", 1, 2)],
+                                  score=(("nope", "pp2"),))
+    if slow:
+        out["training"] |= train_layouts(rank, root_dir, tokenizer_dir, [("nope", "pp2", dict(pp=2))])
+    times["end"] = time.monotonic() - start
+    return out
+
+
+EVAL_SECTION = {"tasks": "demo|arithmetic|0,demo|arithmetic_ppl|0", "interval": 2, "on_save": True,
+                "max_samples": 6, "batch_tokens": 512}
+
+
+def train_layouts(rank, root: Path, tokenizer_dir: str, layouts: list) -> dict:
+    """Each (variant, name, parallelism) trained twice by hooks/nanotron_eval.py, with and without the
+    `nano_eval:` section: {(variant, name, "with"|"without"): losses}; run folders root/train_<variant>_<name>_*."""
+    import torch.distributed as dist
+
+    runs, keys = [], []
+    for variant, name, parallel in layouts:
+        for kind in ("with", "without"):
+            run = root / f"train_{variant}_{name}_{kind}"
+            section = {**EVAL_SECTION, "output_dir": str(run / "eval")} if kind == "with" else None
+            if rank == 0:
+                run.mkdir(parents=True, exist_ok=True)
+                write_config(str(run / "train.yaml"), tokenizer_dir, str(run), variant, nano_eval=section, **parallel)
+            runs.append({"config": str(run / "train.yaml")})
+            keys.append((variant, name, kind))
+    dist.barrier()
+    losses = train_runs(runs)
+    return {key: losses.get(run["config"]) for key, run in zip(keys, runs)}
+
+
+def install_pp_fix() -> None:
+    from tests.nanotron_main_cpu import install
+
+    install(fix_pp=True)
+
+
+def train_runs(runs: list[dict]) -> dict:
+    """hooks/nanotron_eval.py's `main` (the product's launcher, nanotron main's DistributedTrainer) on each run's
+    config, one after the other in this world; returns {config: [loss of each step]} from the ranks that hold
+    the loss (nanotron's `loss_avg` as its train_step_logs gets it; exact floats)."""
+    import functools
+    import runpy
+
+    import nanotron.trainer as nt_trainer
+
+    losses: dict = {}
+    step_logs = nt_trainer.DistributedTrainer.train_step_logs
+
+    @functools.wraps(step_logs)
+    def train_step_logs(self, outputs, loss_avg, *args, **kwargs):
+        if loss_avg is not None and not loss_avg.isnan():
+            losses.setdefault(current[0], []).append(loss_avg.item())
+        return step_logs(self, outputs, loss_avg, *args, **kwargs)
+
+    nt_trainer.DistributedTrainer.train_step_logs = train_step_logs
+    hook_script = runpy.run_path(str(Path(__file__).resolve().parents[1] / "hooks" / "nanotron_eval.py"))
+    current = [None]
+    try:
+        for run in runs:
+            current[0] = run["config"]
+            hook_script["main"](["--config-file", run["config"]])
+    finally:
+        nt_trainer.DistributedTrainer.train_step_logs = step_logs
+    return losses
