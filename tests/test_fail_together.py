@@ -11,7 +11,8 @@ decode mid-generation, the scoring of a batch, a metric); every rank must end wi
 outcome (fail_soft=True: None; False: EvalHookError naming rank 1 and its message), and the process groups must still
 be in step afterwards (an all-reduce, a training-like forward, a clean evaluation that agrees on every rank).
 Dense data parallel (transformers on gloo), the same forced into lockstep (the MoE schedule), the command line
-launched as torchrun launches it, and megatron-core's MoE GPTModel at ep2 (slow).
+launched as torchrun launches it (default suite); a sweep, and megatron-core's MoE GPTModel at ep2 (lockstep) and at
+pp2 (two pipeline stages: only the output stage scores) in the slow set.
 """
 
 import os
