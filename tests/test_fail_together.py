@@ -196,7 +196,7 @@ def test_sweep_fault_on_one_rank_fails_the_checkpoint_on_both_and_goes_on(tmp_pa
                                       "--max-samples", "6", "--output-dir", str(tmp_path / "out"), "--settle-s", "0",
                                       "--no-report"], tmp_path)
     assert codes == [1, 1], texts
-    failed = [line for line in _error_lines(texts) if "failed: " in line]
+    failed = [line for line in _error_lines(texts) if line.startswith("nano_eval: error: checkpoint ")]
     assert [line.split(" (step ")[1].split(")")[0] for line in failed] == ["2", "4"], texts
     assert all(line.endswith(f"failed: {INJECTED}; skipped, the sweep goes on") for line in failed), failed
     assert apart < FAST_S, apart
