@@ -11,7 +11,8 @@ decode mid-generation, the scoring of a batch, a metric); every rank must end wi
 outcome (fail_soft=True: None; False: EvalHookError naming rank 1 and its message), and the process groups must still
 be in step afterwards (an all-reduce, a training-like forward, a clean evaluation that agrees on every rank).
 Dense data parallel (transformers on gloo), the same forced into lockstep (the MoE schedule), the command line
-launched as torchrun launches it, and megatron-core's MoE GPTModel at ep2 (slow).
+launched as torchrun launches it (default suite); a sweep, and megatron-core's MoE GPTModel at ep2 (lockstep) and at
+pp2 (two pipeline stages: only the output stage scores) in the slow set.
 """
 
 import os
@@ -139,23 +140,21 @@ if os.environ.get("RANK") == "1":  # rank 1 fails while detokenising, mid-genera
 '''
 
 
-def test_cli_fault_on_one_rank_ends_both_ranks_with_one_line(toy_checkpoint, tmp_path):
-    """Two ranks started the way torchrun starts them (its environment variables; no torchrun to kill the survivor):
-    rank 1 raises mid-generation; both exit 2 within seconds and one `nano_eval: error:` line names rank 1."""
+def _two_ranks(args: list[str], tmp_path) -> tuple[list[int], list[str], float]:
+    """`python -m nano_eval ARGS` as two ranks started the way torchrun starts them (its environment variables; no
+    torchrun to kill the survivor), with rank 1's decode failing (PATCH_DECODE as the custom tasks). Returns the exit
+    codes, the logs and how far apart the two ranks ended (seconds)."""
     custom = tmp_path / "fault.py"
     custom.write_text(PATCH_DECODE)
-    port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(port), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
-    cmd = [sys.executable, "-m", "nano_eval", "--checkpoint", str(toy_checkpoint), "--tasks", "demo|arithmetic_gen|0",
-           "--custom-tasks", str(custom), "--max-samples", "6", "--output-dir", str(tmp_path / "out"),
-           "--dist-timeout", str(PG_TIMEOUT_S)]
+           "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+    cmd = [sys.executable, "-m", "nano_eval", *args, "--custom-tasks", str(custom), "--dist-timeout", str(PG_TIMEOUT_S)]
     logs = [tmp_path / f"rank{r}.txt" for r in range(2)]
     procs = [subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT,
                               env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r, log in enumerate(logs)]
     ended: dict[int, float] = {}
     try:
-        deadline = time.monotonic() + PG_TIMEOUT_S + 120
+        deadline = time.monotonic() + PG_TIMEOUT_S + 240
         while len(ended) < 2 and time.monotonic() < deadline:
             ended.update((r, time.monotonic()) for r, p in enumerate(procs) if r not in ended and p.poll() is not None)
             time.sleep(0.1)
@@ -165,12 +164,42 @@ def test_cli_fault_on_one_rank_ends_both_ranks_with_one_line(toy_checkpoint, tmp
             p.kill()
             p.wait()
     texts = [log.read_text() for log in logs]
+    assert len(ended) == 2, texts
+    return codes, texts, abs(ended[0] - ended[1])
+
+
+def _error_lines(texts: list[str]) -> list[str]:
+    return [line for text in texts for line in text.splitlines() if line.startswith("nano_eval: error:")]
+
+
+INJECTED = "the evaluation failed on rank 1: document 3 cannot be detokenised (injected). Fix: nothing, it is a test"
+
+
+def test_cli_fault_on_one_rank_ends_both_ranks_with_one_line(toy_checkpoint, tmp_path):
+    """Rank 1 raises mid-generation: both exit 2 at once and one `nano_eval: error:` line names rank 1."""
+    codes, texts, apart = _two_ranks(["--checkpoint", str(toy_checkpoint), "--tasks", "demo|arithmetic_gen|0",
+                                      "--max-samples", "6", "--output-dir", str(tmp_path / "out")], tmp_path)
     assert codes == [2, 2], texts
-    lines = [line for text in texts for line in text.splitlines() if line.startswith("nano_eval: error:")]
-    assert lines == ["nano_eval: error: the evaluation failed on rank 1: document 3 cannot be detokenised "
-                     "(injected). Fix: nothing, it is a test"], texts
+    assert _error_lines(texts) == [f"nano_eval: error: {INJECTED}"], texts
     assert not (tmp_path / "out" / "results.json").exists()
-    assert abs(ended[0] - ended[1]) < FAST_S, ended  # rank 0 did not wait out the 60 s timeout
+    assert apart < FAST_S, apart  # rank 0 did not wait out the 60 s timeout
+
+
+@pytest.mark.slow  # evaluate_checkpoint, the part a sweep shares with the command line, is in the default suite
+def test_sweep_fault_on_one_rank_fails_the_checkpoint_on_both_and_goes_on(tmp_path):
+    """A sweep of two checkpoints with rank 1 failing mid-generation on each: both ranks record each checkpoint as
+    failed and go on to the next (no timeout, process group still in step), and exit 1 at the end."""
+    from tests.sweep_utils import train_run_dir
+
+    train_run_dir(tmp_path / "run", saves=2, steps_per_save=2)
+    codes, texts, apart = _two_ranks(["sweep", str(tmp_path / "run"), "--tasks", "demo|arithmetic_gen|0",
+                                      "--max-samples", "6", "--output-dir", str(tmp_path / "out"), "--settle-s", "0",
+                                      "--no-report"], tmp_path)
+    assert codes == [1, 1], texts
+    failed = [line for line in _error_lines(texts) if line.startswith("nano_eval: error: checkpoint ")]
+    assert [line.split(" (step ")[1].split(")")[0] for line in failed] == ["2", "4"], texts
+    assert all(line.endswith(f"failed: {INJECTED}; skipped, the sweep goes on") for line in failed), failed
+    assert apart < FAST_S, apart
 
 
 def _hook_cases(backend, out: str, cases, scoring_after: int = 2) -> dict:
