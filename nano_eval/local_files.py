@@ -23,6 +23,7 @@ Errors are `LocalFileError`: `<path>: <what>. Fix: <what to do>.` on one line, e
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import stat
@@ -165,6 +166,8 @@ def open_regular(path: str | Path, *, root: str | Path | None = None) -> int:
         fd = os.open(path, flags)
     except FileNotFoundError:
         raise
+    except NotADirectoryError:  # a file where a folder of the path would be: nothing there either
+        raise FileNotFoundError(errno.ENOENT, "No such file or directory", str(path)) from None
     except OSError as e:
         try:
             st = os.lstat(path)
@@ -228,7 +231,7 @@ def entry_kind(path: str | Path) -> str | None:
     'FIFO', ..."""
     try:
         return kind_of(os.lstat(path).st_mode)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # nothing there, or a file where a folder of the path would be
         return None
 
 

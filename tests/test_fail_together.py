@@ -92,7 +92,9 @@ def _hook_world(rank, world, ckpt, out):
 
 # lockstep: [(fault, fail_soft)]: both schedules, both fault places, both fail_soft answers
 DENSE_CASES = {False: [("decode", True), ("scoring", False)], True: [("decode", False), ("scoring", True)]}
-MESSAGES = {"decode": "RuntimeError: injected decode failure", "scoring": "ValueError: injected scoring failure"}
+# the failing rank's message (a decoder's error is the tokenizer's refusal, naming the tokenizer and the fix)
+MESSAGES = {"decode": "fails when decoding (RuntimeError: injected decode failure)",
+            "scoring": "ValueError: injected scoring failure"}
 
 
 def check_cases(per_rank: list[dict], cases: list, scoring_after: int = 2) -> None:
@@ -103,8 +105,11 @@ def check_cases(per_rank: list[dict], cases: list, scoring_after: int = 2) -> No
             outcome, took, calls = seen[case]
             if rank == 1:
                 assert calls >= (5 if case[0] == "decode" else scoring_after), (case, calls)  # it came mid-run
-            expected = "none" if case[1] else f"raised: evaluation at step {step} failed on rank 1: {MESSAGES[case[0]]}"
-            assert outcome == expected, (rank, case)
+            if case[1]:
+                assert outcome == "none", (rank, case)
+            else:
+                assert outcome.startswith(f"raised: evaluation at step {step} failed on rank 1: "), (rank, outcome)
+                assert MESSAGES[case[0]] in outcome, (rank, outcome)
             assert took < FAST_S, (rank, case, took)
     assert per_rank[0]["clean"] == per_rank[1]["clean"] and len(per_rank[0]["clean"]) == 2
 
