@@ -238,3 +238,41 @@ def _save_args_only(args: Namespace, root: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save({"args": args, "checkpoint_version": 3.0, "iteration": ITERATION, "model": {}}, path)
     (root / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
+
+
+def dropless_checks(tokenizer_dir) -> dict:
+    """A real MoE model trained with token dropping (alltoall dispatcher, capacity 1.0, padded to capacity): the
+    backend builds on it as is; with a field the dropless switch needs removed from a real dispatcher instance
+    (what a rename in a megatron-core upgrade looks like), or with a dispatcher class nano_eval does not know, the
+    backend is refused: {case: "built" or the error message}."""
+    from transformers import AutoTokenizer
+
+    from nano_eval.backends.megatron import MegatronModel
+    from tests.megatron_moe import build_moe_model
+    from tests.megatron_worker import _setup
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    out = {}
+    for case in ("as built", "drop_and_pad removed", "unknown dispatcher", "flex manager capacity_factor removed"):
+        _setup(1)
+        model = build_moe_model(capacity=1.0, pad_to_capacity=True).eval()
+        dispatchers = [m.token_dispatcher for m in model.modules() if hasattr(m, "token_dispatcher")]
+        if case == "drop_and_pad removed":
+            del dispatchers[-1].drop_and_pad
+        elif case == "unknown dispatcher":
+            dispatchers[0].__class__ = type("RenamedTokenDispatcher", (type(dispatchers[0]),), {})
+        elif case == "flex manager capacity_factor removed":  # a flex dispatcher's manager, minus the field
+            manager = type("_DeepepManager", (), {})()
+            dispatchers[0]._comm_manager = manager
+            dispatchers[0].__class__ = type("MoEFlexTokenDispatcher", (type(dispatchers[0]),), {})
+        try:
+            MegatronModel(model, tok, max_length=64)
+            out[case] = "built"
+        except Exception as e:  # noqa: BLE001 -- the message is the result
+            out[case] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def all_checks(rank, world, tokenizer_dir, root) -> dict:
+    """The one spawned rank of tests/test_megatron_args.py: the argument variants, then the dropless checks."""
+    return {"variants": variants(rank, world, tokenizer_dir, root), "dropless": dropless_checks(tokenizer_dir)}

@@ -21,11 +21,16 @@ TOLERANCE = 2e-5  # fp32; the zero-centred norms add 1 in another order than the
 
 
 @pytest.fixture(scope="module")
-def variants(toy_checkpoint, tmp_path_factory):
+def world(toy_checkpoint, tmp_path_factory):
     from tests import megatron_args_worker as worker
 
-    return run_distributed(worker.variants, 1, str(toy_checkpoint), str(tmp_path_factory.mktemp("args")),
+    return run_distributed(worker.all_checks, 1, str(toy_checkpoint), str(tmp_path_factory.mktemp("args")),
                            timeout=900)[0]
+
+
+@pytest.fixture(scope="module")
+def variants(world):
+    return world["variants"]
 
 
 def _cases():
@@ -89,3 +94,18 @@ def test_unsupported_arguments_are_refused_in_one_line():
         with pytest.raises(UnsupportedArgument, match=f"argument {name}=.*Fix: ") as error:
             translate({**sizes, name: value})
         assert isinstance(error.value, NanoEvalError) and error.value.argument == name
+
+
+def test_dropless_scoring_fails_closed(world):
+    """The MoE dropless switch refuses, by name and with megatron-core's version, a model whose dispatcher lacks a
+    field it must switch (removed from a real alltoall dispatcher instance), a dispatcher class it does not know, or
+    a flex dispatcher's manager without its capacity field; the intact model builds."""
+    from megatron.core import package_info
+
+    got = world["dropless"]
+    assert got["as built"] == "built"
+    for case, named in [("drop_and_pad removed", "MoEAlltoAllTokenDispatcher has no 'drop_and_pad'"),
+                        ("unknown dispatcher", "RenamedTokenDispatcher is a token dispatcher nano_eval does not know"),
+                        ("flex manager capacity_factor removed", "_DeepepManager has no 'capacity_factor'")]:
+        assert got[case].startswith("NanoEvalError: cannot score this MoE model without token dropping"), got[case]
+        assert named in got[case] and package_info.__version__ in got[case] and "Fix:" in got[case], got[case]
