@@ -529,9 +529,9 @@ def save_legacy_checkpoint(model, args, root: Path, iteration: int):
         state = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
         torch.save({"args": args, "checkpoint_version": 3.0, "iteration": iteration, "model": state,
                     "rng_state": [rng]}, path)
-    dist.barrier()
     if dist.get_rank() == 0:
         (root / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+    dist.barrier()  # after the tracker: a rank that loads the run dir next must find it
 
 
 def save_dist_checkpoint(model, args, root: Path, iteration: int):
@@ -561,9 +561,9 @@ def save_dist_checkpoint(model, args, root: Path, iteration: int):
     iter_dir = root / f"iter_{iteration:07d}"
     iter_dir.mkdir(parents=True, exist_ok=True)
     dist_checkpointing.save(state, str(iter_dir), cpu_torch_dist_strategy(), content_metadata=metadata)
-    dist.barrier()
     if dist.get_rank() == 0:
         (root / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+    dist.barrier()  # after the tracker: a rank that loads the run dir next must find it
 
 
 def state_digest(state: dict) -> str:
