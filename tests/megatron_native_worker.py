@@ -181,10 +181,17 @@ def _moe_model(grouped: bool):
     return model.eval()
 
 
-def moe_paths(rank, world, tokenizer_dir, root) -> dict:
-    """{case: {ep it loads in: max logit difference from the live model}}: grouped-GEMM experts saved at ep2 and
-    loaded into SequentialMLP at ep2 and ep1; SequentialMLP experts saved at ep1 with singleton_local_shards and
-    loaded at ep2 and ep1."""
+MOE_CASES = [("grouped GEMM at ep2 -> SequentialMLP", 2, True, False, (2, 1)),
+             ("SequentialMLP at ep1, singleton_local_shards", 1, False, True, (2, 1))]
+EP4_CASES = [("SequentialMLP at ep4", 4, False, False, (4, 2, 1)),  # the slow set's world of 4
+             ("grouped GEMM at ep1 -> SequentialMLP at ep4", 1, True, False, (4,))]
+
+
+def moe_paths(rank, world, tokenizer_dir, root, cases=None) -> dict:
+    """{case: {ep it loads in: max logit difference from the live model}} for each (name, saved ep, grouped GEMM,
+    singleton_local_shards, eps to load in) of `cases` (MOE_CASES: grouped-GEMM experts saved at ep2 loaded into
+    SequentialMLP at ep2 and ep1; SequentialMLP experts saved at ep1 with singleton_local_shards loaded at ep2 and
+    ep1)."""
     from nano_eval.checkpoints.megatron_native import load_native
     from tests.megatron_gpt import GPTConfig
     from tests.megatron_moe import moe_args
@@ -193,8 +200,7 @@ def moe_paths(rank, world, tokenizer_dir, root) -> dict:
     root = Path(root)
     ids = torch.randint(0, GPTConfig().vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
     out = {}
-    for case, ep, grouped, singleton in [("grouped GEMM at ep2 -> SequentialMLP", 2, True, False),
-                                         ("SequentialMLP at ep1, singleton_local_shards", 1, False, True)]:
+    for case, ep, grouped, singleton, load_eps in cases or MOE_CASES:
         _setup(1, ep=ep)
         model = _moe_model(grouped)
         # GroupedMLP asserts config.bf16 at every forward (its CUDA kernel's only dtype); the double computes in fp32,
@@ -204,10 +210,10 @@ def moe_paths(rank, world, tokenizer_dir, root) -> dict:
         model.config.bf16 = False
         args = moe_args(ep=ep, dispatcher="alltoall")
         args.moe_grouped_gemm = grouped
-        run = root / ("grouped" if grouped else "singleton")
+        run = root / f"moe{len(out)}"
         _save(model, None, args, run, {"singleton_local_shards": singleton, "chained_optim_avoid_prefix": True})
         out[case] = {}
-        for load_ep in (2, 1):
+        for load_ep in load_eps:
             try:
                 backend = load_native(str(run), str(tokenizer_dir), tp=1, pp=1, ep=load_ep, dtype="float32",
                                       max_length=None, device="cpu")
@@ -220,3 +226,8 @@ def moe_paths(rank, world, tokenizer_dir, root) -> dict:
 def all_paths(rank, world, tokenizer_dir, root) -> dict:
     """The one world of tests/test_megatron_native_paths.py: the dense cases, then the MoE ones."""
     return {**native_paths(rank, world, tokenizer_dir, root), **moe_paths(rank, world, tokenizer_dir, root)}
+
+
+def ep4_paths(rank, world, tokenizer_dir, root) -> dict:
+    """The slow set's world of 4: ep4 -> ep2 -> ep1, and grouped GEMM at ep1 -> ep4."""
+    return moe_paths(rank, world, tokenizer_dir, root, EP4_CASES)

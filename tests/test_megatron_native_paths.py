@@ -39,3 +39,15 @@ def test_moe_experts_load_across_expert_layouts(ranks, case):
     for rank in ranks:
         for ep, diff in rank[case].items():
             assert isinstance(diff, float) and diff <= 1e-5, (ep, diff)
+
+
+@pytest.mark.slow
+def test_moe_experts_load_from_and_into_ep4(toy_checkpoint, tmp_path):
+    """A world of 4: SequentialMLP experts saved at ep4 load at ep4, ep2 and ep1; grouped-GEMM experts saved at ep1
+    load into SequentialMLP at ep4."""
+    from tests import megatron_native_worker as worker
+
+    for rank in run_distributed(worker.ep4_paths, 4, str(toy_checkpoint), str(tmp_path), timeout=900):
+        for case, diffs in rank.items():
+            for ep, diff in diffs.items():
+                assert isinstance(diff, float) and diff <= 1e-5, (case, ep, diff)

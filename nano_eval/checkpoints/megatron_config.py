@@ -63,6 +63,9 @@ SAME_NAME = (
     "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_expert_capacity_factor", "moe_pad_expert_input_to_capacity",
     "moe_token_drop_policy", "moe_router_topk_limited_devices", "moe_apply_probs_on_input",
 )
+# the names Megatron-LM up to core 0.15 pickled (its core_transformer_config_from_args renamed them); 0.16's
+# arguments carry the field names themselves
+RENAMED_BEFORE_0_16 = {"apply_layernorm_1p": "layernorm_zero_centered_gamma", "norm_epsilon": "layernorm_epsilon"}
 POSITIONS = ("learned_absolute", "rope", "none")
 NORMS = ("LayerNorm", "RMSNorm")
 TRAINED_ROPE_SCALING_FACTOR = 8.0  # GPTModel's default: no Megatron-LM builder passes --rope-scaling-factor
@@ -121,13 +124,13 @@ def refuse_unsupported(args: Mapping) -> None:
     unless("position_embedding_type", lambda v: v in POSITIONS, f"only {', '.join(POSITIONS)} positions are built")
     unless("normalization", lambda v: v in NORMS, f"only {' and '.join(NORMS)} are built")
     unless("moe_latent_size", lambda v: v is None, "latent MoE projections are not built")
-    unless("rotary_seq_len_interpolation_factor", lambda v: v in (None, 1),
+    unless("rotary_seq_len_interpolation_factor", lambda v: v is None or (type(v) in (int, float) and v == 1),
            "Megatron-LM's gpt_builders.py never passes it to GPTModel while its GPTModelConfig (newer pretrain_gpt.py) "
            "does, and the checkpoint does not say which built the model",
            "re-save the args with rotary_seq_len_interpolation_factor=None if the run ignored it, or score the live "
            "model with the training hook (nano_eval.training.megatron)")
     if value(args, "use_rope_scaling"):
-        unless("rope_scaling_factor", lambda v: float(v) == TRAINED_ROPE_SCALING_FACTOR,
+        unless("rope_scaling_factor", lambda v: type(v) in (int, float) and v == TRAINED_ROPE_SCALING_FACTOR,
                f"no Megatron-LM builder passes it: GPTModel trained with its default "
                f"{TRAINED_ROPE_SCALING_FACTOR}", f"re-save the args with rope_scaling_factor="
                f"{TRAINED_ROPE_SCALING_FACTOR} if the run was Megatron-LM's, or score the live model with the "
@@ -153,10 +156,10 @@ def translate(args: Mapping) -> ModelArgs:
     out.config["num_query_groups"] = args.get("num_query_groups") if value(args, "group_query_attention") else None
     out.config["kv_channels"] = value(args, "kv_channels") or args["hidden_size"] // heads
     # renamed in core 0.16: the old names, where present, are what that Megatron-LM applied
-    eps = args["norm_epsilon"] if "norm_epsilon" in args else value(args, "layernorm_epsilon")
-    out.config["layernorm_epsilon"] = float(eps)
-    out.zero_centered_gamma = bool(args["apply_layernorm_1p"] if "apply_layernorm_1p" in args
-                                   else value(args, "layernorm_zero_centered_gamma"))
+    renamed = {new: args[old] for old, new in RENAMED_BEFORE_0_16.items() if old in args}
+    out.config["layernorm_epsilon"] = float(renamed.get("layernorm_epsilon", value(args, "layernorm_epsilon")))
+    out.zero_centered_gamma = bool(renamed.get("layernorm_zero_centered_gamma",
+                                               value(args, "layernorm_zero_centered_gamma")))
     out.config["layernorm_zero_centered_gamma"] = False  # megatron's torch norms refuse it: folded into the weights
     if value(args, "swiglu"):
         out.config.update(gated_linear_unit=True, activation_func=F.silu)
