@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from argparse import Namespace
 from pathlib import Path
 
@@ -199,6 +200,7 @@ def variants(rank, world, tokenizer_dir, root, names=None) -> dict:
     ids = torch.randint(0, SIZES["padded_vocab_size"], (2, 24), generator=torch.Generator().manual_seed(0))
     out = {}
     for i, name in enumerate(names or VARIANTS):
+        start = time.monotonic()
         release, arguments, _ = VARIANTS[name]
         _setup(1)
         args = megatron_lm_args(release, **arguments)
@@ -228,7 +230,7 @@ def variants(rank, world, tokenizer_dir, root, names=None) -> dict:
                 result["refused"] = str(e)
             except Exception as e:  # noqa: BLE001 -- reported: the test expects none
                 result["error"] = f"{type(e).__name__}: {e}"[:300]
-        out[name] = result
+        out[name] = {**result, "seconds": round(time.monotonic() - start, 1)}
     return out
 
 
@@ -275,4 +277,8 @@ def dropless_checks(tokenizer_dir) -> dict:
 
 def all_checks(rank, world, tokenizer_dir, root) -> dict:
     """The one spawned rank of tests/test_megatron_args.py: the argument variants, then the dropless checks."""
-    return {"variants": variants(rank, world, tokenizer_dir, root), "dropless": dropless_checks(tokenizer_dir)}
+    start = time.monotonic()
+    out = {"variants": variants(rank, world, tokenizer_dir, root)}
+    out["dropless"] = dropless_checks(tokenizer_dir)
+    out["seconds"] = round(time.monotonic() - start, 1)
+    return out

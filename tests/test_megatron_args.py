@@ -107,3 +107,18 @@ def test_dropless_scoring_fails_closed(world):
                         ("flex manager capacity_factor removed", "_DeepepManager has no 'capacity_factor'")]:
         assert got[case].startswith("NanoEvalError: cannot score this MoE model without token dropping"), got[case]
         assert named in got[case] and package_info.__version__ in got[case] and "Fix:" in got[case], got[case]
+
+
+def test_the_transformers_converter_reads_the_same_names():
+    """load_as_transformers' LlamaConfig: the epsilon under either release's name; zero-centred norms refused (the
+    conversion copies norm weights as they are) with the backend that folds them."""
+    from nano_eval.checkpoints.megatron_args import LLAMA_STYLE, hf_config_from_args
+    from nano_eval.errors import NanoEvalError
+
+    llama = dict(LLAMA_STYLE, num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,
+                 seq_length=64, untie_embeddings_and_output_weights=True)
+    assert hf_config_from_args({**llama, "layernorm_epsilon": 0.25}, 128).rms_norm_eps == 0.25  # core 0.16
+    assert hf_config_from_args({**llama, "norm_epsilon": 0.5}, 128).rms_norm_eps == 0.5  # up to core 0.15
+    for name in ("apply_layernorm_1p", "layernorm_zero_centered_gamma"):
+        with pytest.raises(NanoEvalError, match="zero-centred.*--backend megatron"):
+            hf_config_from_args({**llama, name: True}, 128)
