@@ -52,6 +52,17 @@ VARIANTS = {
     "MoE: pre-softmax top-2, scaling factor, group-limited routing": (NEW, dict(
         **MOE, moe_router_pre_softmax=True, moe_router_topk_scaling_factor=2.0, moe_router_num_groups=2,
         moe_router_group_topk=1, moe_router_load_balancing_type="none"), "same"),
+    "qk-l2-norm (rope)": (NEW, dict(ROPE, qk_l2_norm=True), "same"),
+    "attention output gate, off-by-one softmax": (NEW, dict(attention_output_gate=True, softmax_type="off-by-one"),
+                                                  "same"),
+    "window attention every other layer, query-key layer scaling, no rope on layer 2": (NEW, dict(
+        ROPE, window_size=(6, 0), window_attn_skip_freq=2, apply_query_key_layer_scaling=True, no_rope_freq=[0, 1]),
+        "same"),
+    "swiglu with glu-linear-offset and activation clamp, fp32 residual": (NEW, dict(
+        swiglu=True, glu_linear_offset=1.0, activation_func_clamp_value=0.5, fp32_residual_connection=True), "same"),
+    "MoE: top-1, probs on input, fp32 router": (NEW, dict(
+        **MOE, moe_router_topk=1, moe_router_pre_softmax=True, moe_apply_probs_on_input=True, moe_router_dtype="fp32",
+        moe_router_load_balancing_type="none"), "same"),
     "rope interpolation factor": (NEW, dict(ROPE, rotary_seq_len_interpolation_factor=2),
                                   "rotary_seq_len_interpolation_factor"),
     "rope scaling factor 16": (NEW, dict(ROPE, use_rope_scaling=True, rope_scaling_factor=16.0),
@@ -153,7 +164,8 @@ def live_model(args: Namespace, release: str):
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=args.normalization,
                                           qk_l2_norm=args.qk_l2_norm)
     else:
-        layer = get_gpt_layer_local_spec(None, False, args.qk_layernorm, normalization=args.normalization)
+        layer = get_gpt_layer_local_spec(None, False, args.qk_layernorm, normalization=args.normalization,
+                                         qk_l2_norm=args.qk_l2_norm)
         spec = TransformerBlockSubmodules(layer_specs=[layer] * args.num_layers, layer_norm=ZeroCenteredNorm)
     model = GPTModel(config=config, transformer_layer_spec=_with_norm(spec), vocab_size=args.padded_vocab_size,
                      max_sequence_length=args.max_position_embeddings, pre_process=True, post_process=True,

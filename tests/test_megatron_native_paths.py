@@ -1,7 +1,8 @@
-"""`--backend megatron` on torch_dist checkpoints as Megatron-LM's training writes them (tests/megatron_native_worker.py):
-with the distributed optimizer's sharded state (Megatron-LM's default save of a `--use-distributed-optimizer` run),
-and with the `singleton_local_shards` content-metadata flag. One world of 2 data-parallel ranks saves each and
-loads it back on both ranks; the loaded model's logits equal the live model's."""
+"""`--backend megatron` on torch_dist checkpoints as Megatron-LM's training writes them
+(tests/megatron_native_worker.py): with the distributed optimizer's sharded state (Megatron-LM's default save of a
+`--use-distributed-optimizer` run), with the `singleton_local_shards` content-metadata flag, and MoE experts saved
+from grouped GEMM (GroupedMLP) or in another expert-parallel size. One world of 2 ranks saves each and loads it back
+on both ranks; the loaded model's logits equal the live model's. The slow set adds a world of 4 (ep4)."""
 
 import pytest
 
@@ -31,7 +32,8 @@ def test_checkpoint_scores_like_the_live_model(ranks, case):
         assert got["optimizer_entries"] > 0 and got["common_optimizer"] and got["moved"] > 1e-3, got
 
 
-@pytest.mark.parametrize("case", ["grouped GEMM at ep2 -> SequentialMLP", "SequentialMLP at ep1, singleton_local_shards"])
+@pytest.mark.parametrize("case", ["grouped GEMM at ep2 -> SequentialMLP",
+                                  "SequentialMLP at ep1, singleton_local_shards"])
 def test_moe_experts_load_across_expert_layouts(ranks, case):
     """Grouped-GEMM experts (GroupedMLP's stacked weights, saved as megatron-core maps them to per-expert tensors)
     load into nano_eval's SequentialMLP, and an ep1 save with singleton_local_shards loads at ep2; both also at the
