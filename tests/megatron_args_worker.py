@@ -258,7 +258,8 @@ def dropless_checks(tokenizer_dir) -> dict:
     """A real MoE model trained with token dropping (alltoall dispatcher, capacity 1.0, padded to capacity): the
     backend builds on it as is; with a field the dropless switch needs removed from a real dispatcher instance
     (what a rename in a megatron-core upgrade looks like), or with a dispatcher class nano_eval does not know, the
-    backend is refused: {case: "built" or the error message}."""
+    backend is refused; and a router that drops a token anyway stops the forward: {case: "built" (and scored) or
+    the error message}."""
     from transformers import AutoTokenizer
 
     from nano_eval.backends.megatron import MegatronModel
@@ -267,7 +268,10 @@ def dropless_checks(tokenizer_dir) -> dict:
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     out = {}
-    for case in ("as built", "drop_and_pad removed", "unknown dispatcher", "flex manager capacity_factor removed"):
+    ids = torch.randint(0, 500, (2, 12), generator=torch.Generator().manual_seed(0))
+    rows, cols = torch.tensor([0, 1]), torch.tensor([11, 11])
+    for case in ("as built", "drop_and_pad removed", "unknown dispatcher", "flex manager capacity_factor removed",
+                 "router drops a token"):
         _setup(1)
         model = build_moe_model(capacity=1.0, pad_to_capacity=True).eval()
         dispatchers = [m.token_dispatcher for m in model.modules() if hasattr(m, "token_dispatcher")]
@@ -279,8 +283,20 @@ def dropless_checks(tokenizer_dir) -> dict:
             manager = type("_DeepepManager", (), {})()
             dispatchers[0]._comm_manager = manager
             dispatchers[0].__class__ = type("MoEFlexTokenDispatcher", (type(dispatchers[0]),), {})
+        elif case == "router drops a token":  # a capacity the dropless switch missed: the last token loses its experts
+            router = next(m for m in model.modules() if hasattr(m, "routing") and hasattr(m, "topk"))
+            routing = router.routing
+
+            def dropping(logits, **kwargs):
+                probs, routing_map = routing(logits, **kwargs)
+                routing_map = routing_map.clone()
+                routing_map[-1] = False
+                return probs * routing_map, routing_map
+
+            router.routing = dropping
         try:
-            MegatronModel(model, tok, max_length=64)
+            backend = MegatronModel(model, tok, max_length=64)
+            backend.run(MegatronModel._inputs(ids), rows, cols)
             out[case] = "built"
         except Exception as e:  # noqa: BLE001 -- the message is the result
             out[case] = f"{type(e).__name__}: {e}"

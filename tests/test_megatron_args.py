@@ -107,6 +107,8 @@ def test_dropless_scoring_fails_closed(world):
                         ("flex manager capacity_factor removed", "_DeepepManager has no 'capacity_factor'")]:
         assert got[case].startswith("NanoEvalError: cannot score this MoE model without token dropping"), got[case]
         assert named in got[case] and package_info.__version__ in got[case] and "Fix:" in got[case], got[case]
+    dropped = got["router drops a token"]  # past the attribute check: the routing-map probe stops the forward
+    assert dropped.startswith("NanoEvalError: a MoE router dropped tokens while scoring (1 token-layer"), dropped
 
 
 def test_the_transformers_converter_reads_the_same_names():

@@ -13,7 +13,9 @@
   Input jitter (`moe_input_jitter_eps`, random noise that the 0.16 router applies in eval mode too) is off as well.
   Fails closed: a model whose config or dispatchers lack one of these fields (renamed in a megatron-core upgrade),
   or whose dispatcher class nano_eval does not know, is refused by name when the backend is built
-  (`check_dropless`), rather than scored with token dropping back on.
+  (`check_dropless`), rather than scored with token dropping back on; and every router's routing map is probed
+  while scoring (each token must reach its top-k experts), so a drop that slipped past the check stops the
+  evaluation with an error instead of moving scores.
 - Training state untouched: each router's load-balancing counters (`local_tokens_per_expert` of aux-loss-free
   balancing, the expert bias, the global aux loss's `global_tokens_per_expert` / `ga_steps`) and megatron-core's
   MoE aux-loss logging tracker are copied before and written back after (0.16 skips them under no_grad; other
@@ -73,6 +75,8 @@ class ScoringState:
                          if isinstance(getattr(m, name, None), torch.Tensor)]
         self.te_attention = [m for m in modules if callable(getattr(m, "set_context_parallel_group", None))]
         self.rotary = [m for m in modules if _is_rotary(m)]
+        self.routers = [m for m in modules if isinstance(getattr(m, "topk", None), int)
+                        and callable(getattr(m, "routing", None))]  # megatron-core's TopKRouter
 
     @property
     def routing(self) -> str | None:
@@ -94,6 +98,7 @@ class ScoringState:
         cp_groups = [(m, tuple(getattr(m, a, None) for a in _TE_CP_ATTRS)) for m in self.te_attention
                      if _size(getattr(m, "cp_group", None)) > 1]
         dispatchers = [(d, dict(vars(d))) for d in self.dispatchers]  # settings and what each forward leaves there
+        dropped, probes = [], []
         try:
             for config in self.configs:
                 if getattr(config, "num_moe_experts", None):  # every attribute is there (check_dropless)
@@ -111,8 +116,18 @@ class ScoringState:
                     flip(module, "cp_group", None)
             for module, saved in cp_groups:
                 module.set_context_parallel_group(None, None, None, saved[-1])
+            probes += [r.register_forward_hook(_dropless_probe(r, dropped)) for r in self.routers]
             yield
+            short = int(torch.stack(dropped).sum()) if dropped else 0  # one device sync per forward
+            if short:
+                raise NanoEvalError(f"a MoE router dropped tokens while scoring ({short} token-layer routings "
+                                    f"reached fewer than their top-k experts) although nano_eval "
+                                    f"switched dropless routing on (megatron-core {_version()}): scores would depend "
+                                    "on the batch. Fix: report this message to nano_eval; until then, score with a "
+                                    "megatron-core release it supports (0.16).")
         finally:
+            for probe in probes:
+                probe.remove()
             for module, saved in cp_groups:
                 module.set_context_parallel_group(*saved)
             for obj, attr, value in reversed(flipped):
@@ -154,6 +169,17 @@ def check_dropless(configs: list, dispatchers: list, modules: list) -> None:
             f"{'; '.join(problems[:3])} (nano_eval switches {', '.join(_DROPLESS_CONFIG)} on the configs and "
             f"{', '.join(_DROPLESS_DISPATCHER)} on the dispatchers). Fix: use a megatron-core release whose MoE "
             "router and dispatchers hold these (0.16 does), or report this message to nano_eval.")
+
+
+def _dropless_probe(router, dropped: list):
+    """A forward hook proving routing was dropless: every token's row of the router's routing map [tokens, experts]
+    names its top-k experts (fewer means a capacity dropped it). Appends the count of short rows to `dropped` as a
+    device tensor (read once per forward, not once per layer)."""
+    def probe(module, args, output):
+        routing_map = output[1] if isinstance(output, tuple) and len(output) == 2 else None
+        if isinstance(routing_map, torch.Tensor) and routing_map.dim() == 2:
+            dropped.append((routing_map.sum(dim=-1) < router.topk).sum())
+    return probe
 
 
 def _version() -> str:
