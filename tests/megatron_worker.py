@@ -529,7 +529,7 @@ def save_legacy_checkpoint(model, args, root: Path, iteration: int):
         state = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
         torch.save({"args": args, "checkpoint_version": 3.0, "iteration": iteration, "model": state,
                     "rng_state": [rng]}, path)
-    dist.barrier()
+    dist.barrier()  # every rank's shard is saved before the tracker names the iteration
     if dist.get_rank() == 0:
         (root / "latest_checkpointed_iteration.txt").write_text(str(iteration))
     dist.barrier()  # no rank reads the checkpoint before the tracker is there (seen on a loaded CPU: one did)
@@ -562,7 +562,7 @@ def save_dist_checkpoint(model, args, root: Path, iteration: int):
     iter_dir = root / f"iter_{iteration:07d}"
     iter_dir.mkdir(parents=True, exist_ok=True)
     dist_checkpointing.save(state, str(iter_dir), cpu_torch_dist_strategy(), content_metadata=metadata)
-    dist.barrier()
+    dist.barrier()  # every rank's shard is saved before the tracker names the iteration
     if dist.get_rank() == 0:
         (root / "latest_checkpointed_iteration.txt").write_text(str(iteration))
     dist.barrier()  # no rank reads the checkpoint before the tracker is there (seen on a loaded CPU: one did)

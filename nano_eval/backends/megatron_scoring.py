@@ -11,6 +11,11 @@
   those: a forward leaves its split sizes there, and the alltoall dispatcher's pad-to-capacity path relies on
   finding the ones of its own previous forwards (None at first: equal splits), not a dropless forward's.
   Input jitter (`moe_input_jitter_eps`, random noise that the 0.16 router applies in eval mode too) is off as well.
+  Fails closed: a model whose config or dispatchers lack one of these fields (renamed in a megatron-core upgrade),
+  or whose dispatcher class nano_eval does not know, is refused by name when the backend is built
+  (`check_dropless`), rather than scored with token dropping back on; and every router's routing map is probed
+  while scoring (each token must reach its top-k experts), so a drop that slipped past the check stops the
+  evaluation with an error instead of moving scores.
 - Training state untouched: each router's load-balancing counters (`local_tokens_per_expert` of aux-loss-free
   balancing, the expert bias, the global aux loss's `global_tokens_per_expert` / `ga_steps`) and megatron-core's
   MoE aux-loss logging tracker are copied before and written back after (0.16 skips them under no_grad; other
@@ -32,10 +37,19 @@ from contextlib import contextmanager
 import torch
 
 from nano_eval.compat.megatron import unwrap
+from nano_eval.errors import NanoEvalError
 
 _DROPLESS_CONFIG = {"moe_expert_capacity_factor": None, "moe_pad_expert_input_to_capacity": False,
                     "moe_input_jitter_eps": None}
 _DROPLESS_DISPATCHER = {"drop_and_pad": False, "capacity_factor": None, "moe_expert_capacity_factor": None}
+# What each megatron-core token dispatcher (or flex dispatcher's communication manager) must hold for scoring to be
+# dropless, by class name: the attributes it copied from the config at construction and reads at every forward.
+# A class not listed, or one without these attributes (a renamed field after an upgrade), is refused: switching
+# what could be found and skipping the rest would bring token dropping back silently (log-probs moved by up to
+# 1.55 in the tests' MoE model). The alltoall dispatcher holds `moe_expert_capacity_factor` only when it pads.
+DISPATCHER_FIELDS = {"MoEAllGatherTokenDispatcher": (), "MoEAlltoAllTokenDispatcher": ("drop_and_pad",),
+                     "MoEFlexTokenDispatcher": ("_comm_manager",), "_DeepepManager": ("capacity_factor",),
+                     "_HybridEPManager": ("capacity_factor", "drop_and_pad")}
 _ROUTER_COUNTERS = ("local_tokens_per_expert", "expert_bias", "global_tokens_per_expert", "ga_steps")
 _TE_CP_ATTRS = ("cp_group", "cp_global_ranks", "cp_stream", "cp_comm_type")
 
@@ -51,10 +65,18 @@ class ScoringState:
         dispatchers = [getattr(m, "token_dispatcher", None) for m in modules]
         self.dispatchers = [d for d in dispatchers if d is not None]
         self.dispatchers += [d._comm_manager for d in self.dispatchers if getattr(d, "_comm_manager", None)]
+        for config in (getattr(d, "config", None) for d in self.dispatchers):  # the config a dispatcher reads
+            if config is not None and id(config) not in configs:
+                configs[id(config)] = config
+                self.configs.append(config)
+        if self.moe:
+            check_dropless(self.configs, self.dispatchers, modules)
         self.counters = [(m, name) for m in modules for name in _ROUTER_COUNTERS
                          if isinstance(getattr(m, name, None), torch.Tensor)]
         self.te_attention = [m for m in modules if callable(getattr(m, "set_context_parallel_group", None))]
         self.rotary = [m for m in modules if _is_rotary(m)]
+        self.routers = [m for m in modules if isinstance(getattr(m, "topk", None), int)
+                        and callable(getattr(m, "routing", None))]  # megatron-core's TopKRouter
 
     @property
     def routing(self) -> str | None:
@@ -76,11 +98,12 @@ class ScoringState:
         cp_groups = [(m, tuple(getattr(m, a, None) for a in _TE_CP_ATTRS)) for m in self.te_attention
                      if _size(getattr(m, "cp_group", None)) > 1]
         dispatchers = [(d, dict(vars(d))) for d in self.dispatchers]  # settings and what each forward leaves there
+        dropped, probes = [], []
         try:
             for config in self.configs:
-                if getattr(config, "num_moe_experts", None):
+                if getattr(config, "num_moe_experts", None):  # every attribute is there (check_dropless)
                     for attr, value in _DROPLESS_CONFIG.items():
-                        if hasattr(config, attr) and getattr(config, attr) != value:
+                        if getattr(config, attr) != value:
                             flip(config, attr, value)
                 if (getattr(config, "context_parallel_size", 1) or 1) > 1:
                     flip(config, "context_parallel_size", 1)
@@ -93,8 +116,18 @@ class ScoringState:
                     flip(module, "cp_group", None)
             for module, saved in cp_groups:
                 module.set_context_parallel_group(None, None, None, saved[-1])
+            probes += [r.register_forward_hook(_dropless_probe(r, dropped)) for r in self.routers]
             yield
+            short = int(torch.stack(dropped).sum()) if dropped else 0  # one device sync per forward
+            if short:
+                raise NanoEvalError(f"a MoE router dropped tokens while scoring ({short} token-layer routings "
+                                    f"reached fewer than their top-k experts) although nano_eval "
+                                    f"switched dropless routing on (megatron-core {_version()}): scores would depend "
+                                    "on the batch. Fix: report this message to nano_eval; until then, score with a "
+                                    "megatron-core release it supports (0.16).")
         finally:
+            for probe in probes:
+                probe.remove()
             for module, saved in cp_groups:
                 module.set_context_parallel_group(*saved)
             for obj, attr, value in reversed(flipped):
@@ -114,6 +147,48 @@ class ScoringState:
                         tracker[name].update({k: v for k, v in entry.items() if k != "values"})
                     else:
                         tracker[name] = entry
+
+
+def check_dropless(configs: list, dispatchers: list, modules: list) -> None:
+    """Refuse, by name, a MoE model whose routing `applied()` could not make dropless: a MoE config without one of
+    _DROPLESS_CONFIG's fields, a MoE layer without a token dispatcher, a dispatcher class nano_eval does not know
+    or one without the fields DISPATCHER_FIELDS lists for it. The message names the installed megatron-core."""
+    problems = [f"{type(c).__name__} has no {a!r}" for c in configs if getattr(c, "num_moe_experts", None)
+                for a in _DROPLESS_CONFIG if not hasattr(c, a)]
+    problems += [f"{type(m).__name__} has no token_dispatcher" for m in modules
+                 if hasattr(m, "router") and hasattr(m, "experts") and getattr(m, "token_dispatcher", None) is None]
+    for d in dispatchers:
+        name = type(d).__name__
+        if name not in DISPATCHER_FIELDS:
+            problems.append(f"{name} is a token dispatcher nano_eval does not know")
+        else:
+            problems += [f"{name} has no {a!r}" for a in DISPATCHER_FIELDS[name] if a not in vars(d)]
+    if problems:
+        raise NanoEvalError(
+            f"cannot score this MoE model without token dropping under megatron-core {_version()}: "
+            f"{'; '.join(problems[:3])} (nano_eval switches {', '.join(_DROPLESS_CONFIG)} on the configs and "
+            f"{', '.join(_DROPLESS_DISPATCHER)} on the dispatchers). Fix: use a megatron-core release whose MoE "
+            "router and dispatchers hold these (0.16 does), or report this message to nano_eval.")
+
+
+def _dropless_probe(router, dropped: list):
+    """A forward hook proving routing was dropless: every token's row of the router's routing map [tokens, experts]
+    names its top-k experts (fewer means a capacity dropped it). Appends the count of short rows to `dropped` as a
+    device tensor (read once per forward, not once per layer)."""
+    def probe(module, args, output):
+        routing_map = output[1] if isinstance(output, tuple) and len(output) == 2 else None
+        if isinstance(routing_map, torch.Tensor) and routing_map.dim() == 2:
+            dropped.append((routing_map.sum(dim=-1) < router.topk).sum())
+    return probe
+
+
+def _version() -> str:
+    try:
+        from megatron.core import package_info
+
+        return package_info.__version__
+    except (ImportError, AttributeError):
+        return "(version unknown)"
 
 
 def _size(group) -> int:

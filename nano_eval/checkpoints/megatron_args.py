@@ -39,11 +39,18 @@ def hf_config_from_args(args: Mapping, vocab_size: int):
     """A transformers LlamaConfig from Megatron's training arguments (names as in Megatron-LM's arguments.py)."""
     from transformers import LlamaConfig
 
+    from nano_eval.checkpoints.megatron_config import translate
+
     wrong = {k: args[k] for k, v in LLAMA_STYLE.items() if k in args and args[k] is not None and args[k] != v}
     if wrong or args.get("use_rope_scaling"):
         raise NanoEvalError(f"not a Llama-style GPT checkpoint: {wrong or {'use_rope_scaling': True}} "
                             f"(the converter needs {LLAMA_STYLE}, no rope scaling).")
     try:
+        # names as Megatron-LM reads them; refuses what it cannot build
+        model = translate({"padded_vocab_size": vocab_size, **LLAMA_STYLE, **args})
+        if model.zero_centered_gamma:
+            raise NanoEvalError("not a Llama-style GPT checkpoint: its norms are zero-centred (--apply-layernorm-1p), "
+                                "which the transformers converter does not fold. Fix: pass --backend megatron.")
         heads = args["num_attention_heads"]
         groups = args.get("num_query_groups") if args.get("group_query_attention") else heads
         return LlamaConfig(
@@ -51,7 +58,7 @@ def hf_config_from_args(args: Mapping, vocab_size: int):
             num_hidden_layers=args["num_layers"], num_attention_heads=heads, num_key_value_heads=groups or heads,
             head_dim=args.get("kv_channels") or args["hidden_size"] // heads,
             max_position_embeddings=args.get("max_position_embeddings") or args["seq_length"],
-            rms_norm_eps=args.get("norm_epsilon", 1e-5), rope_theta=float(args.get("rotary_base", 10000)),
+            rms_norm_eps=model.config["layernorm_epsilon"], rope_theta=float(args.get("rotary_base", 10000)),
             tie_word_embeddings=not args.get("untie_embeddings_and_output_weights", False),
             attention_bias=False, mlp_bias=False, hidden_act="silu",
         )

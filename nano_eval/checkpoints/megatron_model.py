@@ -1,10 +1,11 @@
 """megatron-core's GPTModel from the training arguments a Megatron checkpoint pickles (Megatron-LM's names).
 
 Both Megatron readers build the model this way: the torch_dist -> transformers converter at TP1/PP1
-(megatron_dist.py) and the native backend in any TP x PP x EP layout (megatron_native.py). Like Megatron-LM's own
-`core_transformer_config_from_args`, the architecture comes from the args; unlike it, only a fixed list of
-architecture fields is taken (the args are untrusted: plain values only), and everything about the run (parallel
-sizes, fusions that need compiled kernels, dropout, recomputation) is set for evaluation on this machine.
+(megatron_dist.py) and the native backend in any TP x PP x EP layout (megatron_native.py). The architecture is
+what Megatron-LM built from the args (megatron_config.translate: every model-math argument applied or refused by
+name; plain values only, the args are untrusted); everything about the run (parallel sizes, fusions that need
+compiled kernels, dropout, recomputation) is set for evaluation on this machine. Norm weights of a run with
+`--apply-layernorm-1p` are stored zero-centred: the caller adds 1 after loading (`unfold_zero_centered_gamma`).
 
 The layer spec is megatron-core's local one (no Transformer Engine needed): its sharded state dict names every
 weight as the Transformer Engine spec does, so checkpoints of either spec load. MoE layers use `SequentialMLP`
@@ -17,60 +18,36 @@ from collections.abc import Mapping
 
 import torch
 
+from nano_eval.checkpoints.megatron_config import ModelArgs, translate
 from nano_eval.errors import NanoEvalError
 
-# TransformerConfig fields copied from the args when present (plain values only)
-ARCHITECTURE = (
-    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "kv_channels", "add_bias_linear",
-    "add_qkv_bias", "qk_layernorm", "rotary_interleaved", "normalization", "apply_residual_connection_post_layernorm",
-    "layernorm_zero_centered_gamma", "attention_softmax_in_fp32", "apply_query_key_layer_scaling", "window_size",
-    "num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
-    "moe_shared_expert_gate", "moe_router_load_balancing_type", "moe_router_score_function", "moe_router_pre_softmax",
-    "moe_router_topk_scaling_factor", "moe_router_num_groups", "moe_router_group_topk", "moe_router_enable_expert_bias",
-    "moe_router_dtype", "moe_token_dispatcher_type", "moe_layer_freq", "moe_aux_loss_coeff", "moe_z_loss_coeff",
-    "moe_expert_capacity_factor", "moe_pad_expert_input_to_capacity", "moe_token_drop_policy",
-    "moe_router_topk_limited_devices", "moe_apply_probs_on_input",
-)
-_PLAIN = (bool, int, float, str, type(None))
 
-
-def _plain(value) -> bool:
-    return isinstance(value, _PLAIN) or (isinstance(value, (list, tuple)) and all(type(v) is int for v in value))
-
-
-def transformer_config(args: Mapping, *, tp: int, pp: int, ep: int = 1, dtype: torch.dtype | None = None):
-    """TransformerConfig of the model `args` describe, for evaluation at tp x pp x ep (cp 1, no sequence
-    parallelism); weights are not initialised (the checkpoint overwrites them)."""
-    import torch.nn.functional as F
+def transformer_config(args: Mapping, *, tp: int, pp: int, ep: int = 1, dtype: torch.dtype | None = None,
+                       translated: ModelArgs | None = None):
+    """TransformerConfig of the model `args` describe (megatron_config.translate), for evaluation at tp x pp x ep
+    (cp 1, no sequence parallelism); weights are not initialised (the checkpoint overwrites them)."""
     from dataclasses import fields
 
     from megatron.core.transformer import TransformerConfig
 
+    translated = translated or translate(args)
     known = {f.name for f in fields(TransformerConfig)}
-    kwargs = {k: args[k] for k in ARCHITECTURE if k in known and k in args and args[k] is not None and _plain(args[k])}
-    heads = args["num_attention_heads"]
-    if "num_moe_experts" not in kwargs and type(args.get("num_experts")) is int:  # Megatron-LM's --num-experts
-        kwargs["num_moe_experts"] = args["num_experts"]
-    kwargs.setdefault("normalization", "LayerNorm")
-    if args.get("group_query_attention") and args.get("num_query_groups"):
-        kwargs["num_query_groups"] = args["num_query_groups"]
-    kwargs["kv_channels"] = kwargs.get("kv_channels") or args["hidden_size"] // heads
-    kwargs["layernorm_epsilon"] = float(args.get("norm_epsilon", 1e-5))
-    if args.get("swiglu"):
-        kwargs.update(gated_linear_unit=True, activation_func=F.silu)
-    elif args.get("squared_relu"):
-        kwargs.update(activation_func=lambda x: F.relu(x) ** 2)
-    else:
-        kwargs.update(activation_func=F.gelu)
+    kwargs = {k: v for k, v in translated.config.items() if k in known}
     if dtype is None:
         dtype = args.get("params_dtype") if isinstance(args.get("params_dtype"), torch.dtype) else torch.float32
-    return TransformerConfig(
-        **kwargs, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
-        context_parallel_size=1, sequence_parallel=False, params_dtype=dtype, pipeline_dtype=dtype,
-        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, hidden_dropout=0.0, attention_dropout=0.0,
-        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
-        apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
-        moe_grouped_gemm=False, moe_permute_fusion=False, use_cpu_initialization=True, perform_initialization=False)
+    try:
+        return TransformerConfig(
+            **kwargs, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
+            context_parallel_size=1, sequence_parallel=False, params_dtype=dtype, pipeline_dtype=dtype,
+            bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, hidden_dropout=0.0, attention_dropout=0.0,
+            bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+            apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
+            moe_grouped_gemm=False, moe_permute_fusion=False, use_cpu_initialization=True,
+            perform_initialization=False)
+    except (ValueError, AssertionError, TypeError) as e:  # megatron-core's own consistency checks
+        raise NanoEvalError(f"megatron-core refuses the model the checkpoint's args describe ({type(e).__name__}: "
+                            f"{' '.join(str(e).split())[:200]}). Fix: check the run's args (common.pt / "
+                            f"model_optim_rng.pt) against the megatron-core version installed here.") from e
 
 
 def build_gpt_model(args: Mapping, *, tp: int | None = None, pp: int | None = None, ep: int | None = None,
@@ -85,20 +62,15 @@ def build_gpt_model(args: Mapping, *, tp: int | None = None, pp: int | None = No
     pp = pp or ps.get_pipeline_model_parallel_world_size()
     ep = ep or ps.get_expert_model_parallel_world_size()
     try:
-        config = transformer_config(args, tp=tp, pp=pp, ep=ep, dtype=dtype)
+        translated = translate(args)
+        config = transformer_config(args, tp=tp, pp=pp, ep=ep, dtype=dtype, translated=translated)
         if config.num_moe_experts:
             spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
-                                              normalization=config.normalization)
+                                              normalization=translated.spec["normalization"],
+                                              qk_l2_norm=translated.spec["qk_l2_norm"])
         else:
-            spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization=config.normalization)
-        position = args.get("position_embedding_type") or "learned_absolute"
-        return GPTModel(
-            config=config, transformer_layer_spec=spec, vocab_size=args["padded_vocab_size"],
-            max_sequence_length=args.get("max_position_embeddings") or args["seq_length"],
-            pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
-            share_embeddings_and_output_weights=not args.get("untie_embeddings_and_output_weights", False),
-            position_embedding_type=position, rotary_percent=float(args.get("rotary_percent") or 1.0),
-            rotary_base=int(args.get("rotary_base") or 10000), rope_scaling=bool(args.get("use_rope_scaling")),
-            rope_scaling_factor=float(args.get("rope_scaling_factor") or 8.0))
+            spec = get_gpt_layer_local_spec(**translated.spec)
+        return GPTModel(config=config, transformer_layer_spec=spec, pre_process=ps.is_pipeline_first_stage(),
+                        post_process=ps.is_pipeline_last_stage(), **translated.gpt)
     except KeyError as e:
         raise NanoEvalError(f"the checkpoint's args lack {e}. Fix: pass megatron_args=... (Megatron's names).") from e

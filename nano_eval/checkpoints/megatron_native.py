@@ -3,8 +3,9 @@
     torchrun --nproc_per_node=N nano_eval/run.py --checkpoint ITER_DIR_OR_RUN_DIR --tokenizer T \\
         --backend megatron --tp T --pp P [--ep E] --tasks ...
 
-Every rank builds its stage of the model from the checkpoint's own args (megatron_model.py: dense or MoE, GQA,
-qk-layernorm, tied or untied embeddings, any normalization / activation megatron-core builds) and loads its share:
+Every rank builds its stage of the model from the checkpoint's own args as Megatron-LM built it (megatron_config.py:
+every argument that changes the math applied or refused by name; megatron_model.py builds it: dense or MoE) and
+loads its share:
 - torch_dist, saved in any layout: megatron-core's `dist_checkpointing.load` reshards it, reading through
   nano_eval's checked reader (megatron_dist.py: the index validated whole, tensor chunks only);
 - legacy `mp_rank_*` shards: the rank's own shard, read by nano_eval's unpickler, when the saved TP x PP (x EP)
@@ -23,6 +24,7 @@ import torch.distributed as dist
 
 from nano_eval.checkpoints.files import load_tokenizer
 from nano_eval.checkpoints.megatron_args import args_dict, check_model_size, load_shard
+from nano_eval.checkpoints.megatron_config import refuse_unsupported, translate, unfold_zero_centered_gamma
 from nano_eval.checkpoints.megatron_dist import COMMON, is_dist_checkpoint, load_sharded, open_dist_checkpoint
 from nano_eval.checkpoints.megatron_legacy import SHARD_DIR, resolve_iteration_dir, shard_files
 from nano_eval.checkpoints.megatron_model import build_gpt_model
@@ -70,11 +72,13 @@ def _load_dist(iter_dir: Path, model_parallel: int, dtype: torch.dtype, policy: 
     ckpt = open_dist_checkpoint(iter_dir, policy)
     share = FilePolicy(allow_symlinks_outside=policy.allow_symlinks_outside,
                        max_bytes=policy.byte_limit() * model_parallel)  # each rank holds about 1 / (tp x pp)
+    refuse_unsupported(ckpt.args)  # by name, before the sizes are checked or anything is built
     check_model_size(ckpt.args, ckpt.folder.root / COMMON, disk_bytes=ckpt.data_bytes, policy=share)
     model = build_gpt_model(ckpt.args, dtype=dtype)
     loaded = load_sharded(model, ckpt, "check --tp / --pp / --ep against the model (heads, query groups and "
                                        "experts must divide), or pass the run's own args.")
     _fill(model, loaded, iter_dir)
+    _as_trained(model, ckpt.args)
     return model, ckpt.args
 
 
@@ -101,10 +105,21 @@ def _load_legacy(files: dict, dtype: torch.dtype, policy: FilePolicy):
     if not isinstance(state, dict):
         raise CheckpointFileError(files[rank], "has no 'model' state dict (virtual-pipeline checkpoints, with "
                                   "model0, model1, ..., are not supported)")
+    refuse_unsupported(args)
     check_model_size(args, files[rank], disk_bytes=files[rank].stat().st_size * len(files), policy=policy)
     model = build_gpt_model(args, dtype=dtype)
+    if translate(args).mtp_layers:  # multi-token-prediction heads: the main logits never read them
+        state = {k: v for k, v in state.items() if not (isinstance(k, str) and k.startswith("mtp."))}
     _fill(model, state, files[rank])
+    _as_trained(model, args)
     return model, args
+
+
+def _as_trained(model, args: dict) -> None:
+    """What the loaded weights need to compute what the run computed: norm weights stored zero-centred
+    (`--apply-layernorm-1p`) get their 1 back (megatron_config.unfold_zero_centered_gamma)."""
+    if translate(args).zero_centered_gamma:
+        unfold_zero_centered_gamma(model)
 
 
 def _fill(model, state: dict, where: Path) -> None:
