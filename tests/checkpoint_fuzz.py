@@ -33,23 +33,14 @@ import time
 import zipfile
 from pathlib import Path
 
+from tests.fuzz_case import address_space, install_alarm, run_case
+
 CASE_ALARM_S = 20
 CAP_BYTES = 256 << 20
 MEMORY_WORDS = ("MemoryError", "DefaultCPUAllocator", "can't allocate", "cannot allocate", "out of memory",
                 "std::bad_alloc")
 
 
-class CaseTimeout(Exception):
-    pass
-
-
-_alarm_fired = False
-
-
-def _alarm(signum, frame):
-    global _alarm_fired
-    _alarm_fired = True
-    raise CaseTimeout()
 
 
 # ---- where the structure is ---------------------------------------------------------------------------------------
@@ -209,9 +200,9 @@ def run(genuine_root: Path, tokenizer_dir: Path, work: Path, seed: int, per_kind
     reference = {kind: logits_of(load_backend(str(genuine[kind]), options[kind])) for kind in KINDS}
     before = state_snapshot()
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    size = _address_space()
+    size = address_space()
     resource.setrlimit(resource.RLIMIT_AS, (size + (2 << 30), hard))
-    signal.signal(signal.SIGALRM, _alarm)
+    install_alarm()
     rng = random.Random(seed)
     cases = []
     start = time.perf_counter()
@@ -236,25 +227,18 @@ def run(genuine_root: Path, tokenizer_dir: Path, work: Path, seed: int, per_kind
 
 
 def _load(load_backend, error_type, path: str, options, reference) -> tuple[str, str]:
-    """The case's outcome and message. A case the alarm interrupted is a timeout however it ended: the loader may
-    wrap the alarm's exception in a one-line refusal of its own."""
-    global _alarm_fired
-    _alarm_fired = False
-    outcome, message = _load_once(load_backend, error_type, path, options, reference)
-    return ("timeout", message) if _alarm_fired else (outcome, message)
+    """The case's outcome and message, under the case alarm (tests/fuzz_case.py)."""
+    return run_case(lambda: _load_once(load_backend, error_type, path, options, reference), CASE_ALARM_S)
 
 
 def _load_once(load_backend, error_type, path: str, options, reference) -> tuple[str, str]:
     import torch
 
-    signal.alarm(CASE_ALARM_S)
     try:
         backend = load_backend(path, options)
         got = logits_of(backend)
         same = got.shape == reference.shape and torch.equal(got, reference)
         return ("same" if same else "different"), ""
-    except CaseTimeout:
-        return "timeout", ""
     except error_type as e:
         text = str(e)
         if any(w in text for w in MEMORY_WORDS):
@@ -264,14 +248,6 @@ def _load_once(load_backend, error_type, path: str, options, reference) -> tuple
         import traceback
 
         return ("memory" if isinstance(e, MemoryError) else "crash"), "".join(traceback.format_exception(e))[-1500:]
-    finally:
-        signal.alarm(0)
-
-
-def _address_space() -> int:
-    with open("/proc/self/statm") as fh:
-        pages = int(fh.read().split()[0])
-    return pages * resource.getpagesize()
 
 
 def main(argv=None) -> int:

@@ -28,10 +28,11 @@ import os
 import random
 import resource
 import shutil
-import signal
 import sys
 import time
 from pathlib import Path
+
+from tests.fuzz_case import address_space, install_alarm, run_case
 
 CASE_ALARM_S = 60
 CAP_BYTES = 4 << 30
@@ -47,17 +48,6 @@ TASKS_TABLE = [TaskConfig(name="bench", prompt_function=arithmetic_choice, hf_re
 LAYOUTS = ("jsonl", "parquet", "save_to_disk")
 
 
-class CaseTimeout(Exception):
-    pass
-
-
-_alarm_fired = False
-
-
-def _alarm(signum, frame):
-    global _alarm_fired
-    _alarm_fired = True
-    raise CaseTimeout()
 
 
 # ---- the genuine surroundings -------------------------------------------------------------------------------------
@@ -251,27 +241,20 @@ def docs_of(world: dict, case: Path) -> list:
     return out
 
 
-def run_case(world: dict, case: Path, reference: list) -> tuple[str, str]:
-    """The case's outcome and message; one the alarm interrupted is a timeout however it ended (a loader may wrap
-    the alarm's exception in a refusal of its own)."""
-    global _alarm_fired
-    _alarm_fired = False
-    outcome, message = _run_case_once(world, case, reference)
-    return ("timeout", message) if _alarm_fired else (outcome, message)
+def case_outcome(world: dict, case: Path, reference: list) -> tuple[str, str]:
+    """The case's outcome and message, under the case alarm (tests/fuzz_case.py)."""
+    return run_case(lambda: _run_case_once(world, case, reference), CASE_ALARM_S)
 
 
 def _run_case_once(world: dict, case: Path, reference: list) -> tuple[str, str]:
     from nano_eval.errors import NanoEvalError
     from nano_eval.local_files import single_line
 
-    signal.alarm(CASE_ALARM_S)
     try:
         got = docs_of(world, case)
         if any(SECRET in x for x in got):
             return "outside", got[0][:300]
         return ("same" if got == reference else "different"), ""
-    except CaseTimeout:
-        return "timeout", ""
     except NanoEvalError as e:
         text = single_line(str(e))
         if SECRET in text:
@@ -281,8 +264,6 @@ def _run_case_once(world: dict, case: Path, reference: list) -> tuple[str, str]:
         import traceback
 
         return ("memory" if isinstance(e, MemoryError) else "crash"), "".join(traceback.format_exception(e))[-1500:]
-    finally:
-        signal.alarm(0)
 
 
 def run(work: Path, seed: int, cases: int) -> dict:
@@ -299,8 +280,8 @@ def run(work: Path, seed: int, cases: int) -> dict:
         references[layout] = docs_of(world, work / f"genuine_{layout}")
     assert references["jsonl"] == references["parquet"] == references["save_to_disk"], "the layouts disagree"
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    resource.setrlimit(resource.RLIMIT_AS, (_address_space() + CAP_BYTES, hard))
-    signal.signal(signal.SIGALRM, _alarm)
+    resource.setrlimit(resource.RLIMIT_AS, (address_space() + CAP_BYTES, hard))
+    install_alarm()
     rng = random.Random(seed)
     out = []
     start = time.perf_counter()
@@ -312,18 +293,13 @@ def run(work: Path, seed: int, cases: int) -> dict:
         what = mutation(world, rng)
         print(f"case {i} ({layout}): {what}", file=sys.stderr, flush=True)  # the last one, should it kill us
         t0 = time.perf_counter()
-        outcome, message = run_case(world, case, references[layout])
+        outcome, message = case_outcome(world, case, references[layout])
         out.append({"layout": layout, "mutation": what, "outcome": outcome, "message": message[:500],
                     "seconds": round(time.perf_counter() - t0, 3)})
         shutil.rmtree(case, ignore_errors=True)
     resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
     return {"cases": out, "seconds": round(time.perf_counter() - start, 1)}
 
-
-def _address_space() -> int:
-    with open("/proc/self/statm") as fh:
-        pages = int(fh.read().split()[0])
-    return pages * resource.getpagesize()
 
 
 def main(argv=None) -> int:

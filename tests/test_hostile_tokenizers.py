@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.checkpoint_fuzz import _address_space
+from tests.fuzz_case import address_space
 from tests.test_faults import _error_lines, _sweep
 
 REPO = Path(__file__).resolve().parents[1]
@@ -340,7 +340,7 @@ def _run_cases(plan_path: Path, report_path: Path) -> None:
     main(["--checkpoint", str(control), "--tasks", TASK, "--max-samples", "1", "--output-dir",
           str(plan_path.parent / "warm")])  # imports everything a case needs, before the limit
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    resource.setrlimit(resource.RLIMIT_AS, (_address_space() + CAP_BYTES, hard))
+    resource.setrlimit(resource.RLIMIT_AS, (address_space() + CAP_BYTES, hard))
 
     def timeout(signum, frame):
         raise TimeoutError(f"the case did not end within {CASE_S}s")
