@@ -29,7 +29,7 @@ MAX_TOKEN_CHARS = 4096
 MAX_ADDED_TOKENS = 65_536  # transformers handles each in Python: 100k took 24 s to load (Llama 3: 256, Gemma 3: ~6k)
 MAX_TOKENS_PER_CHAR = 4  # byte fallback: one token per UTF-8 byte
 MAX_DECODED_PER_CHAR = 16
-PROBE_BASE_S = 0.2  # the probe's slack over SLOW_PER_CHAR_S a character (a genuine tokenizer: ~1 ms in all)
+PROBE_BASE_S = 0.05  # the probe's slack over SLOW_PER_CHAR_S a character (a genuine tokenizer: ~1 ms in all)
 _INSERTS = {"Replace": "content", "Prepend": "prepend"}
 # Realistic text: words, digits, punctuation, a few non-ASCII letters; the short text is its first line.
 PROBE_SHORT = "Question: What is 12 plus 30?\nAnswer: 42.\n"
