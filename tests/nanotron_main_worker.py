@@ -105,7 +105,8 @@ def build_qwen2(pc, model_config, tp_mode: str = "ALL_REDUCE"):
     from nanotron.trainer import mark_tied_parameters
 
     parallel = ParallelismArgs(dp=pc.dp_pg.size(), pp=pc.pp_pg.size(), tp=pc.tp_pg.size(),
-                               context_parallel_size=pc.cp_pg.size(), tp_mode=TensorParallelLinearMode[tp_mode], tp_linear_async_communication=False)
+                               context_parallel_size=pc.cp_pg.size(), tp_mode=TensorParallelLinearMode[tp_mode],
+                               tp_linear_async_communication=False)
     model = build_model(
         model_builder=lambda: Qwen2ForTraining(config=model_config, parallel_context=pc, parallel_config=parallel,
                                                random_states=None),
