@@ -18,9 +18,9 @@ tokens after it cost compute, not correctness). Under sequence-parallel TP (`tp_
 divide by tp: more pad tokens are appended at the end, which by the same argument changes nothing.
 
 Before the first forward, every rank of the world checks the model contract TOGETHER (`_check_contract`: known
-model class, context parallelism only for Qwen2, a nanotron whose Qwen2 can run off the first pipeline stage) and all raise
-the same error when one rank finds a problem: a stage that raised before sending would otherwise leave the next
-stage waiting in its P2P receive for ever.
+model class, context parallelism only for Qwen2, a nanotron whose Qwen2 can run off the first pipeline stage) and
+all raise the same error when one rank finds a problem: a stage that raised before sending would otherwise leave
+the next stage waiting in its P2P receive for ever.
 
 Context parallelism (nanotron main's Qwen2, cp > 1, e.g. llama3 ring attention): folded into data parallelism
 while scoring. The evaluation's data-parallel group is dp x cp (`dp_cp_pg`; results.json's layout says
@@ -135,7 +135,9 @@ class NanotronModel:
         self.seq_multiple = parallel_context.tp_pg.size() if sequence_parallel else 1
         self.layout = layout_from_parallel_context(parallel_context, first, last, "cuda" if self.device.type == "cuda" else "cpu")
         # cp > 1: the ring attention is off while scoring (each CP rank scores whole rows as a data-parallel rank)
-        self.local_attention = LocalAttention(self.forward_module, parallel_context) if self.layout.cp_size > 1 else None
+        self.local_attention = None
+        if self.layout.cp_size > 1:
+            self.local_attention = LocalAttention(self.forward_module, parallel_context)
 
     def incremental_decoder(self):
         """Greedy generation from nanotron 0.4's Llama KV cache (nano_eval.backends.nanotron_cache), or None
