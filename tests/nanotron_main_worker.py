@@ -88,10 +88,11 @@ def write_config(path: str, tokenizer_dir: str, run_dir: str, variant: str = "de
     return str(path)
 
 
-def parallel_context(tp: int, pp: int, dp: int):
+def parallel_context(tp: int, pp: int, dp: int, cp: int = 1):
     from nanotron.parallel import ParallelContext
 
-    return ParallelContext(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp)
+    return ParallelContext(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp,
+                           context_parallel_size=cp)
 
 
 def build_qwen2(pc, model_config, tp_mode: str = "ALL_REDUCE"):
@@ -104,7 +105,8 @@ def build_qwen2(pc, model_config, tp_mode: str = "ALL_REDUCE"):
     from nanotron.trainer import mark_tied_parameters
 
     parallel = ParallelismArgs(dp=pc.dp_pg.size(), pp=pc.pp_pg.size(), tp=pc.tp_pg.size(),
-                               tp_mode=TensorParallelLinearMode[tp_mode], tp_linear_async_communication=False)
+                               context_parallel_size=pc.cp_pg.size(), tp_mode=TensorParallelLinearMode[tp_mode],
+                               tp_linear_async_communication=False)
     model = build_model(
         model_builder=lambda: Qwen2ForTraining(config=model_config, parallel_context=pc, parallel_config=parallel,
                                                random_states=None),
@@ -240,6 +242,8 @@ def main_world(rank, world, root: str, tokenizer_dir: str, slow: bool) -> dict:
     layouts = [("tp2", 2, 1)] + ([("tp1xdp2", 1, 1), ("tp2-reduce_scatter", 2, 1, "REDUCE_SCATTER")] if slow else [])
     out["backend"] = backend_vs_model(ckpts, layouts, score=tuple((v, "tp2") for v in variants))
     out["backend"] |= backend_vs_model({"dense": ckpts["dense"]}, [("tp1xdp2", 1, 1)] if not slow else [])
+    out["cp2"] = cp_folded_into_dp(ckpts["dense"])
+    times["cp2"] = time.monotonic() - start
     # pp2 on nanotron main as released: refused on both ranks before any forward (no rank left in a P2P receive)
     out["pp2_unfixed"] = backend_vs_model({"dense": ckpts["dense"]}, [("pp2", 1, 2)])
     times["backend"] = time.monotonic() - start
@@ -261,6 +265,62 @@ def main_world(rank, world, root: str, tokenizer_dir: str, slow: bool) -> dict:
         out["training"] |= train_layouts(rank, root_dir, tokenizer_dir, [("nope", "pp2", dict(pp=2))])
     times["end"] = time.monotonic() - start
     return out
+
+
+def cp_folded_into_dp(ckpt: str) -> dict:
+    """The dense checkpoint in a cp2 world (tp1, dp1; nanotron main's llama3 ring attention, as its CP training runs
+    it): nano_eval's backend on the live model, with CP folded into DP. Returns the scores, the layout, max |diff|
+    between the backend's logits of one 32-token row and the ring forward's (each CP rank computes half the row,
+    gathered), and whether a training-mode ring forward + backward (micro-batch 1, global positions, the layout
+    nanotron main's CP is exact in) is bitwise the same after the evaluation as before it, plus the attributes the
+    backend switches, read back after it."""
+    import dataclasses
+
+    import torch
+    import torch.distributed as dist
+    from nanotron.serialize import load_weights
+    from transformers import AutoTokenizer
+
+    from nano_eval.backends.nanotron import NanotronModel
+    from nano_eval.checkpoints.nanotron import tokenizer_path
+    from nano_eval.training.nanotron import load_config
+    from tests.nanotron_worker import summarize
+
+    config = load_config(str(Path(ckpt) / "config.yaml")).model.model_config
+    config = dataclasses.replace(config, _attn_implementation="llama3_ring_attention", ring_attn_heads_k_stride=1)
+    pc = parallel_context(1, 1, 1, cp=2)
+    model = build_qwen2(pc, config)
+    load_weights(model=model, parallel_context=pc, root_folder=Path(ckpt))
+    cp_rank = dist.get_rank(pc.cp_pg)
+    row = torch.randint(3, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(11))
+    positions = torch.arange(SEQ).unsqueeze(0)  # GLOBAL under CP; each rank gets its half of the tokens
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def ring_step():
+        model.train()
+        logits = model.model(input_ids=row[:, cp_rank * SEQ // 2:(cp_rank + 1) * SEQ // 2].contiguous(),
+                             position_ids=positions)
+        grads = torch.autograd.grad(logits.float().pow(2).mean(), params)
+        return logits.detach(), [g.clone() for g in grads]
+
+    def switched():
+        attention = [m for m in model.modules() if hasattr(m, "cp_pg_size")]
+        return (config._attn_implementation, [(m.cp_pg is pc.cp_pg, m.cp_pg_size) for m in attention])
+
+    before = ring_step()
+    state = switched()
+    backend = NanotronModel(model, pc, AutoTokenizer.from_pretrained(tokenizer_path(ckpt, None)), max_length=2 * SEQ)
+    with torch.no_grad():
+        whole_row = backend.forward(rows_batch(row.tolist()))
+    scores = summarize(backend, TASKS, 256, 6)
+    after = ring_step()
+    halves = [torch.empty_like(before[0]) for _ in range(2)]
+    dist.all_gather(halves, before[0].contiguous(), group=pc.cp_pg)
+    return {"scores": scores, "layout": backend.layout.describe(),
+            "ring_vs_backend": (whole_row - torch.cat(halves)).abs().max().item(),
+            "train_step_unchanged": torch.equal(before[0], after[0])
+            and all(torch.equal(a, b) for a, b in zip(before[1], after[1])),
+            "switched_before": state, "switched_after": switched()}
 
 
 EVAL_SECTION = {"tasks": "demo|arithmetic|0,demo|arithmetic_ppl|0", "interval": 2, "on_save": True,

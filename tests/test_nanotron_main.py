@@ -5,6 +5,8 @@ window, MoE.
 - the live backend speaks Qwen2's contract: its logits at the scored positions of a right-padded batch equal the
   model's own forward on each row alone (tp2, tp1 x dp2; slow: tp2 REDUCE_SCATTER), for every variant; the dense
   model's scores equal the transformers conversion of the same checkpoint (next item);
+- context parallelism (cp2, llama3 ring attention) is folded into data parallelism while scoring: scores equal
+  cp1's, the ring is back on (bitwise the same training-mode forward and backward) after;
 - pp2 on nanotron main as released (its own pp bugs) is refused on BOTH ranks before any forward (it used to
   leave stage 1 in a P2P receive for ever); with the upstream fixes (test-only) pp2 logits are exact;
 - the training hook (hooks/nanotron_eval.py, nano_eval's trainer mixin) in main's trainer: losses bitwise equal
@@ -100,6 +102,25 @@ def _same_scores(got, want, rel=1e-5):
         for a, b in zip(got[task]["logprobs"], want[task]["logprobs"]):
             assert a == pytest.approx(b, rel=rel, abs=1e-5), task
         assert got[task]["predictions"] == want[task]["predictions"], task
+
+
+def test_context_parallelism_is_folded_into_data_parallelism(world):
+    """cp2 (nanotron main's llama3 ring attention, the dense checkpoint): the live backend scores with each CP rank
+    a data-parallel rank of its own (layout dp 2, cp_in_dp 2) and the ring off while scoring: scores equal the same
+    weights' at cp1 (tp2), one row's logits equal the ring forward's halves, and a training-mode ring forward and
+    backward after the evaluation is bitwise the one before it (the switched attributes are restored). Before: the
+    backend refused cp > 1."""
+    _, ranks = world
+    for r in ranks:
+        cp = r["cp2"]
+        assert cp["layout"] == {"world_size": 2, "dp": 2, "tp": 1, "pp": 1, "cp_in_dp": 2}, cp["layout"]
+        assert cp["ring_vs_backend"] < TOLERANCE, cp["ring_vs_backend"]
+        assert cp["train_step_unchanged"]
+        assert cp["switched_after"] == cp["switched_before"]
+        assert cp["switched_before"][0] == "llama3_ring_attention"
+        assert cp["switched_before"][1] == [(True, 2)] * 4  # every layer's attention rings over cp_pg again
+        _same_scores(cp["scores"], ranks[0]["backend"][("dense", "tp2", "scores")])
+    print(f"cp2: max |logit diff| vs the ring forward {max(r['cp2']['ring_vs_backend'] for r in ranks):.1e}")
 
 
 def test_pp2_on_unfixed_nanotron_main_is_refused_on_every_rank(world):

@@ -18,9 +18,14 @@ tokens after it cost compute, not correctness). Under sequence-parallel TP (`tp_
 divide by tp: more pad tokens are appended at the end, which by the same argument changes nothing.
 
 Before the first forward, every rank of the world checks the model contract TOGETHER (`_check_contract`: known
-model class, no context parallelism, a nanotron whose Qwen2 can run off the first pipeline stage) and all raise
-the same error when one rank finds a problem: a stage that raised before sending would otherwise leave the next
-stage waiting in its P2P receive for ever.
+model class, context parallelism only for Qwen2, a nanotron whose Qwen2 can run off the first pipeline stage) and
+all raise the same error when one rank finds a problem: a stage that raised before sending would otherwise leave
+the next stage waiting in its P2P receive for ever.
+
+Context parallelism (nanotron main's Qwen2, cp > 1, e.g. llama3 ring attention): folded into data parallelism
+while scoring. The evaluation's data-parallel group is dp x cp (`dp_cp_pg`; results.json's layout says
+`cp_in_dp`), every CP rank scores whole rows of its own, and each forward runs under `LocalAttention.applied()`
+(nano_eval.compat.nanotron): no ring over the CP group, RoPE from position 0, all restored after the forward.
 
 Greedy generation: `incremental_decoder()` decodes from nanotron 0.4's Llama KV cache (its inference `Store` path,
 nano_eval.backends.nanotron_cache), or returns None (the prompt is re-run per token) under tp_mode REDUCE_SCATTER
@@ -29,27 +34,38 @@ and for Qwen2, which has no inference path in nanotron main.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
 from nano_eval.backends.base import Batch, note_rerun_generation
-from nano_eval.compat.nanotron import QWEN2, import_nanotron, model_family, model_inputs, qwen2_pp_bug
+from nano_eval.compat.nanotron import QWEN2, LocalAttention, import_nanotron, model_family, model_inputs, qwen2_pp_bug
 from nano_eval.errors import NanoEvalError
 from nano_eval.parallel import ParallelLayout
 
 
 def layout_from_parallel_context(parallel_context, input_pp_rank: int, output_pp_rank: int, device: str) -> ParallelLayout:
-    """ParallelLayout view of a nanotron ParallelContext (nanotron's rank order: pp, dp, tp)."""
+    """ParallelLayout view of a nanotron ParallelContext (nanotron's rank order: pp, dp, (cp,) tp). Under context
+    parallelism (nanotron main, cp > 1) the data-parallel group is `dp_cp_pg`: dp x cp ranks, each scoring whole
+    rows (nano_eval.compat.nanotron.LocalAttention)."""
     pc = parallel_context
+    cp = _cp_size(pc)
+    dp_group = pc.dp_cp_pg if cp > 1 else pc.dp_pg
     return ParallelLayout(
         rank=dist.get_rank(),
         world_size=dist.get_world_size(),
-        dp_rank=dist.get_rank(pc.dp_pg), dp_size=pc.dp_pg.size(), dp_group=pc.dp_pg,
+        dp_rank=dist.get_rank(dp_group), dp_size=dp_group.size(), dp_group=dp_group, cp_size=cp,
         tp_rank=dist.get_rank(pc.tp_pg), tp_size=pc.tp_pg.size(), tp_group=pc.tp_pg,
         pp_rank=dist.get_rank(pc.pp_pg), pp_size=pc.pp_pg.size(), pp_group=pc.pp_pg,
         input_pp_rank=input_pp_rank, output_pp_rank=output_pp_rank,
         device=device,
     )
+
+
+def _cp_size(parallel_context) -> int:
+    """Context-parallel ranks per model replica (nanotron 0.4's ParallelContext has none: 1)."""
+    return getattr(parallel_context, "context_parallel_size", 1) or 1
 
 
 def _stage_ranks(model) -> tuple[int, int]:
@@ -68,10 +84,11 @@ def _contract_problem(model, parallel_context) -> str | None:
         return (f"the nanotron backend scores nanotron's LlamaModel (nanotron 0.4 or main) or Qwen2Model (nanotron "
                 f"main), not {type(model).__module__}.{type(model).__name__}. Fix: train one of those classes, or "
                 "score a saved checkpoint with --backend transformers")
-    cp = getattr(parallel_context, "context_parallel_size", 1)
-    if cp != 1:
-        return (f"context parallelism (cp={cp}) is not supported by the nanotron backend (every CP rank would need "
-                "its slice of each row). Fix: score the checkpoint with cp=1 (run.py --backend nanotron --tp/--pp)")
+    cp = _cp_size(parallel_context)
+    if cp != 1 and family != QWEN2:
+        return (f"context parallelism (cp={cp}) is supported by the nanotron backend for nanotron main's Qwen2Model "
+                "only (its LlamaModel has no context-parallel attention). Fix: score the checkpoint with cp=1 "
+                "(run.py --backend nanotron --tp/--pp)")
     if family == QWEN2 and parallel_context.pp_pg.size() > 1 and qwen2_pp_bug():
         return (f"nanotron main's Qwen2Model cannot run with pipeline parallelism (pp={parallel_context.pp_pg.size()}"
                 "): its forward calls position_ids.numel() on a TensorPointer off the first stage (upstream bug in "
@@ -117,6 +134,10 @@ class NanotronModel:
         sequence_parallel = getattr(getattr(self.forward_module, "tp_mode", None), "name", "") == "REDUCE_SCATTER"
         self.seq_multiple = parallel_context.tp_pg.size() if sequence_parallel else 1
         self.layout = layout_from_parallel_context(parallel_context, first, last, "cuda" if self.device.type == "cuda" else "cpu")
+        # cp > 1: the ring attention is off while scoring (each CP rank scores whole rows as a data-parallel rank)
+        self.local_attention = None
+        if self.layout.cp_size > 1:
+            self.local_attention = LocalAttention(self.forward_module, parallel_context)
 
     def incremental_decoder(self):
         """Greedy generation from nanotron 0.4's Llama KV cache (nano_eval.backends.nanotron_cache), or None
@@ -145,7 +166,8 @@ class NanotronModel:
             position_ids = torch.arange(columns, device=self.device).repeat(rows, 1)
         else:
             input_ids = position_ids = TensorPointer(group_rank=lay.input_pp_rank)
-        logits = self.forward_module(**model_inputs(self.family, input_ids, position_ids))
+        with self.local_attention.applied() if self.local_attention else contextlib.nullcontext():
+            logits = self.forward_module(**model_inputs(self.family, input_ids, position_ids))
         if isinstance(logits, dict):
             logits = logits.get("logits", logits.get("sharded_logits"))
         if not lay.is_output_stage or isinstance(logits, TensorPointer):

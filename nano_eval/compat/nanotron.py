@@ -18,6 +18,8 @@
   returns 5 values (2.6 added the used lengths); the Llama inference path (its KV-cache prefill) unpacks 4.
   `four_value_unpad_input` gives nanotron's Llama module an `unpad_input` that returns the first 4 (flash-attn 2.5
   returns exactly those), leaving flash-attn's own module untouched.
+- nanotron main's Qwen2 under context parallelism (cp > 1, ring attention): `LocalAttention` switches the ring off
+  while nano_eval scores, so each CP rank scores whole rows as a data-parallel rank.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import os
 import re
 import sys
 import types
+from contextlib import contextmanager
 
 from nano_eval.errors import NanoEvalError
 
@@ -160,3 +163,44 @@ def qwen2_pp_bug() -> bool:
     from nanotron.parallel.pipeline_parallel.tensor_pointer import TensorPointer
 
     return not hasattr(TensorPointer, "numel")
+
+
+RING_ATTENTION = "llama3_ring_attention"
+
+
+class LocalAttention:
+    """Context parallelism folded into data parallelism while scoring a nanotron main Qwen2Model (cp > 1).
+
+    How main's Qwen2 runs CP (models/qwen.py, 2411b022): every rank holds S/cp tokens of each row with the row's
+    GLOBAL position ids; each Qwen2Attention takes its local length as `position_ids.shape[1] // cp_pg_size`, its
+    RoPE offset as `rank(cp_pg) * local length`, and, when `config._attn_implementation` is
+    "llama3_ring_attention", rings keys/values over cp_pg (Qwen2Model.forward prepares the ring's cu_seqlens from
+    the same config field). While `applied()`: every attention module's `cp_pg_size` is 1 and its `cp_pg` a group of
+    this rank alone (RoPE offset 0), and the config says plain flash attention, so each CP rank runs whole rows by
+    itself, exactly as a cp=1 model does; the results gather then spans dp x cp (`parallel_context.dp_cp_pg`).
+    Everything is restored on exit (the same objects), so training resumes unchanged.
+
+    Build it on EVERY rank of the world (the solo groups come from nanotron's collective `create_new_group`,
+    cached in the ParallelContext: with expert parallelism 1 they already exist as its ep_pg groups)."""
+
+    def __init__(self, model, parallel_context):
+        world = parallel_context.world_pg.size()
+        solo = parallel_context.create_new_group([[rank] for rank in range(world)])
+        modules = list(model.modules())
+        self.flips = [(m, "cp_pg", solo) for m in modules if getattr(m, "cp_pg", None) is parallel_context.cp_pg]
+        self.flips += [(m, "cp_pg_size", 1) for m in modules if getattr(m, "cp_pg_size", 1) != 1]
+        configs = {id(c): c for c in (getattr(m, "config", None) for m in modules) if c is not None}
+        self.flips += [(c, "_attn_implementation", "flash_attention_2") for c in configs.values()
+                       if getattr(c, "_attn_implementation", None) == RING_ATTENTION]
+
+    @contextmanager
+    def applied(self):
+        """CP off inside (see the class), everything as it was after."""
+        saved = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in self.flips]
+        try:
+            for obj, attr, value in self.flips:
+                setattr(obj, attr, value)
+            yield
+        finally:
+            for obj, attr, value in reversed(saved):
+                setattr(obj, attr, value)
