@@ -114,7 +114,7 @@ TEMPLATES = [
     "{{ raise_exception('no') }}", "{{ ''.__class__.__mro__ }}", "{{ cycler.__init__.__globals__ }}",
     "{% set ns = namespace(s='x') %}{% for i in range(80) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}",
     "{{ messages[0]['content'] }}", "", "{{ 9 ** 9 ** 9 }}", "{{ bos_token }}{{ eos_token }}", "{% endfor %}",
-    "{{ '%999999999d' % 1 }}", "{% include 'x' %}", "{{ lipsum(10**6) }}", "{{ range(10**9)|list|length }}",
+    "{{ '%999999999d' % 1 }}", "{% include 'x' %}", "{{ lipsum(10**6) }}", "{{ lipsum(1000, false, 999999, 1000000) }}", "{{ range(10**9)|list|length }}",
 ]
 
 
