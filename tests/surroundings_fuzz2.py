@@ -28,7 +28,8 @@ finished_identity on the earlier results, then tracking.results.write_results of
   refused    a NanoEvalError, and the refused file kept as it was
   handled    read (or counted as not done) and the new results written: results.json and details read back
   outside    a byte of the victim folder changed                                                -> defect
-  wrong      written results that do not read back, or a refused file changed                  -> defect
+  wrong      written results that do not read back, a refused file changed, running.json records read
+             that break its schema, an earlier identity that is not a string                    -> defect
   memory / crash / timeout                                                                      -> defect
 """
 
@@ -114,7 +115,8 @@ TEMPLATES = [
     "{{ raise_exception('no') }}", "{{ ''.__class__.__mro__ }}", "{{ cycler.__init__.__globals__ }}",
     "{% set ns = namespace(s='x') %}{% for i in range(80) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}",
     "{{ messages[0]['content'] }}", "", "{{ 9 ** 9 ** 9 }}", "{{ bos_token }}{{ eos_token }}", "{% endfor %}",
-    "{{ '%999999999d' % 1 }}", "{% include 'x' %}", "{{ lipsum(10**6) }}", "{{ lipsum(1000, false, 999999, 1000000) }}", "{{ range(10**9)|list|length }}",
+    "{{ '%999999999d' % 1 }}", "{% include 'x' %}", "{{ lipsum(10**6) }}",
+    "{{ lipsum(1000, false, 999999, 1000000) }}", "{{ range(10**9)|list|length }}",
 ]
 
 
@@ -158,7 +160,8 @@ def tok_json(world, rng) -> str:
     data = json.loads(path.read_text())
     if choice == 0:
         data["normalizer"] = rng.choice([
-            {"type": "Replace", "pattern": {"Regex": rng.choice(REGEXES)}, "content": rng.choice(["", "x", "y" * 10**5])},
+            {"type": "Replace", "pattern": {"Regex": rng.choice(REGEXES)},
+             "content": rng.choice(["", "x", "y" * 10**5])},
             {"type": "Lowercase"}, {"type": "NFKC"}, {"type": "Nope"}, None, 5,
             {"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": "\u2581" * rng.choice([1, 10**6])}]}])
         what = f"normalizer {json.dumps(data['normalizer'])[:80]}"

@@ -1,7 +1,8 @@
-"""The seeded fuzz of a checkpoint's tokenizer files and of an earlier run's output folder (tests/surroundings_fuzz2.py),
-each surface in its own process under an address-space limit and a per-case alarm: no case crashes (a traceback, a
-Rust panic escaping as something else than a NanoEvalError), hangs, allocates past its limit or changes a byte
-outside the output folder; each is refused in one line, or loads / is handled as nano_eval promises."""
+"""The seeded fuzz of a checkpoint's tokenizer files and of an earlier run's output folder
+(tests/surroundings_fuzz2.py), each surface in its own process under an address-space limit and a per-case alarm:
+no case crashes (a traceback, a Rust panic escaping as something else than a NanoEvalError), hangs, allocates past
+its limit or changes a byte outside the output folder; each is refused in one line, or loads / is handled as
+nano_eval promises."""
 
 from __future__ import annotations
 
