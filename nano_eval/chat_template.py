@@ -237,6 +237,21 @@ def _bounded_filter(env, name: str, f):
 
 
 @functools.lru_cache(maxsize=8)
+def _bounded_lipsum(env, lipsum):
+    """Jinja's global lipsum(n, html, min, max) writes up to n * max words in one call, which no step or time check
+    interrupts (`lipsum(1000, false, 999999, 1000000)`: hours): refused unless that many words fit the prompt's size
+    budget (8 characters a word)."""
+
+    def bounded(n=5, html=True, min=20, max=100):  # noqa: A002 -- Jinja's own argument names
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (n, min, max)):
+            raise _OverBudget(f"calls lipsum() with {n!r:.20}, {min!r:.20}, {max!r:.20}, not integers")
+        if n * max > env.max_chars // 8:
+            raise _OverBudget(f"asks lipsum() for up to {n * max:,} words, more than any prompt needs")
+        return lipsum(n, html, min, max)
+
+    return bounded
+
+
 def _environment():
     """A BoundedSandbox configured as transformers configures its chat-template environment (its globals,
     filters and extensions, taken from a template transformers compiles), every filter bounded."""
@@ -247,6 +262,8 @@ def _environment():
     env = _sandbox_class()(trim_blocks=True, lstrip_blocks=True,
                            extensions=[type(e) for e in reference.extensions.values()])
     env.globals.update(reference.globals)
+    if "lipsum" in env.globals:
+        env.globals["lipsum"] = _bounded_lipsum(env, env.globals["lipsum"])
     filters = {**env.filters, **reference.filters}
     filters["nano_eval_bounded"] = jinja2.pass_environment(lambda e, v: e.bounded_value(v))
     env.filters = {name: f if name == "nano_eval_bounded" else _bounded_filter(env, name, f)

@@ -1,6 +1,6 @@
-"""What the seeded fuzzes share (tests/checkpoint_fuzz.py, tests/surroundings_fuzz.py): one case under a per-case
-alarm, counted as a timeout however the code under test ended (it may wrap the alarm's exception in a refusal of its
-own), and the process's address space, to cap memory above it."""
+"""What the seeded fuzzes share (tests/checkpoint_fuzz.py, tests/surroundings_fuzz.py, tests/surroundings_fuzz2.py):
+one case under a per-case alarm, counted as a timeout however the code under test ended (it may wrap the alarm's
+exception in a refusal of its own), and the process's address space, to cap memory above it."""
 
 from __future__ import annotations
 

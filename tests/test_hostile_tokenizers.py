@@ -185,6 +185,8 @@ TEMPLATE_BOMBS = {
     "{{ (['x']*1000)|map('center', 1000000)|list|length }}": "in all",
     "{% set l = range(100000)|list %}{% for a in l %}{% for b in l %}{% endfor %}{% endfor %}": "more steps",
     "{{ ('x' * 1000).expandtabs(100) }}": "calls str.expandtabs",
+    "{{ lipsum(1000, false, 9999, 10000) }}": "asks lipsum() for up to 10,000,000 words",  # found by the fuzz
+    "{{ lipsum(2, false, 1, 1e7) }}": "not integers",
     "{{ x }}" * 150_000: "is 1,050,000 characters long",  # compiling it: 24 s and 1.3 GB
 }
 
