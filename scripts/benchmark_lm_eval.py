@@ -261,13 +261,18 @@ def scoring(args, backend, hf, names, include, mirror) -> dict:
             hf_s.append(time.perf_counter() - start)
         nano_s, hf_s = nano_s[1:], hf_s[1:]
         if rtype == RequestType.GREEDY_UNTIL:
-            agree = all(raw[k].text == text for k, text in zip(keys, theirs))
+            differ = sum(raw[k].text != text for k, text in zip(keys, theirs))
+            agree, note = not differ, f"{differ} generations differ" if differ else ""
         elif rtype == RequestType.LOGLIKELIHOOD:
-            agree = all(_close(float(raw[k].logprob), ll) and bool(raw[k].is_greedy) == greedy
-                        for k, (ll, greedy) in zip(keys, theirs))
+            far = sum(not _close(float(raw[k].logprob), ll) for k, (ll, _) in zip(keys, theirs))
+            flags = sum(bool(raw[k].is_greedy) != greedy for k, (_, greedy) in zip(keys, theirs))
+            worst = max((abs(float(raw[k].logprob) - ll) for k, (ll, _) in zip(keys, theirs)), default=0.0)
+            agree = not far and not flags
+            note = ("" if agree else f"{far} log-probs past tolerance, {flags} greedy flags differ; ") + \
+                f"max |log-prob diff| {worst:.1e}"
         else:  # rolling loglikelihood: not among these tasks' requests
-            agree = False
-        out[rtype.value] = {"n": len(keys), "nano_s": nano_s, "hf_s": hf_s, "agree": agree}
+            agree, note = False, "not compared"
+        out[rtype.value] = {"n": len(keys), "nano_s": nano_s, "hf_s": hf_s, "agree": agree, "note": note}
     return out
 
 
@@ -293,7 +298,7 @@ def report(args, checkpoint: str, names: list[str], a: dict, b: dict) -> bool:
         h, n, h_min, n_min = med(row["hf_s"]), med(row["nano_s"]), min(row["hf_s"]), min(row["nano_s"])
         ok &= row["agree"]
         print(f"  {rtype:<16}{row['n']:>6}{h:>9.3f} ({h_min:.3f}){n:>9.3f} ({n_min:.3f})"
-              f"{h / n:>7.2f}x ({h_min / n_min:.2f}x)  {'agree' if row['agree'] else 'DISAGREE'}")
+              f"{h / n:>7.2f}x ({h_min / n_min:.2f}x)  {'agree' if row['agree'] else 'DISAGREE'} {row['note']}")
     print("\nmetrics (last hook evaluation vs last simple_evaluate)")
     for name, key, mine, theirs, agree in a["metrics"]:
         ok &= agree
