@@ -23,6 +23,7 @@ from nano_eval.generate import GenerationResult
 from nano_eval.parallel import any_rank_true
 from nano_eval.response import ModelResponse
 from nano_eval.tasks import Task, TaskSpec, build_requests
+from nano_eval.tasks.task import TaskResult
 from nano_eval.tasks.requests import Doc, Request, RequestType
 from nano_eval.tokenization import chat_renderer
 
@@ -41,19 +42,6 @@ class EvalConfig:
     system_prompt: str | None = None  # first thing in every context (the system turn with a chat template)
     batching: BatchingConfig = field(default_factory=BatchingConfig)
     progress: bool = True
-
-
-@dataclass
-class TaskResult:
-    key: str  # "suite|task|k"
-    version: int | float | str | None  # lm-eval tasks carry lm-eval's version
-    # metric -> value, plus "<metric>_stderr"; lm-eval tasks: lm-eval's keys, "<metric>,<filter>" and
-    # "<metric>_stderr,<filter>"
-    metrics: dict[str, float]
-    num_docs: int
-    skipped_docs: int
-    truncated_requests: int
-    details: list[dict]
 
 
 @dataclass

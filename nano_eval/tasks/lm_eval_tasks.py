@@ -46,8 +46,8 @@ import numpy as np
 import torch
 
 from nano_eval.errors import NanoEvalError, UnsupportedTaskError
-from nano_eval.evaluator import TaskResult
-from nano_eval.tasks.registry import TaskSpec, TaskSpecError
+from nano_eval.tasks.spec import TaskSpec, TaskSpecError
+from nano_eval.tasks.task import TaskResult
 from nano_eval.tasks.requests import (
     GreedyUntilRequest,
     LoglikelihoodRequest,

@@ -14,39 +14,19 @@ from __future__ import annotations
 import difflib
 import importlib.util
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
 from nano_eval.errors import NanoEvalError
 from nano_eval.local_files import LocalFileError, entry_kind, read_text
 from nano_eval.tasks.config import TaskConfig
+from nano_eval.tasks.spec import TaskSpec, TaskSpecError  # noqa: F401  (nano_eval.tasks.registry.TaskSpec)
 from nano_eval.tasks.task import Task, load_datasets
 
 SPEC_FORM = "suite|task|num_fewshot or task|num_fewshot, e.g. 'lighteval|arc:easy|25' or 'arc:easy|25'"
 TASK_FILE_BYTES = 1 << 20  # a file of task specs (one spec a line: tens of thousands of specs)
 LM_EVAL_SUITE = "lm_eval"
 LIST_HINT = "see the available tasks with `nano_eval --list-tasks` (or `Registry(...).print_tasks()`)"
-
-
-class TaskSpecError(NanoEvalError, ValueError):
-    """A malformed or unknown task spec; a ValueError too, since it is bad input to `parse_specs`."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class TaskSpec:
-    suite: str
-    task: str
-    num_fewshot: int
-
-    @property
-    def full_name(self) -> str:
-        return f"{self.suite}|{self.task}"
-
-    @property
-    def key(self) -> str:
-        """The results key: the same task at two shot counts gives two results."""
-        return f"{self.full_name}|{self.num_fewshot}"
 
 
 def _load_module(path: Path):

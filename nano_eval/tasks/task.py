@@ -15,6 +15,7 @@ import dataclasses
 import numbers
 import os
 from collections import defaultdict
+from dataclasses import dataclass
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable
 
@@ -45,6 +46,21 @@ def resolve_metric(metric):
     from nano_eval.metrics import get_metric  # lazy: tasks import without the metrics package
 
     return get_metric(metric)
+
+
+@dataclass
+class TaskResult:
+    """One task's scores, as the evaluator (or another harness's task: nano_eval.tasks.lm_eval_tasks) returns them."""
+
+    key: str  # "suite|task|k"
+    version: int | float | str | None  # lm-eval tasks carry lm-eval's version
+    # metric -> value, plus "<metric>_stderr"; lm-eval tasks: lm-eval's keys, "<metric>,<filter>" and
+    # "<metric>_stderr,<filter>"
+    metrics: dict[str, float]
+    num_docs: int
+    skipped_docs: int
+    truncated_requests: int
+    details: list[dict]
 
 
 class Task:
