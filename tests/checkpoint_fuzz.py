@@ -25,7 +25,6 @@ import argparse
 import json
 import random
 import re
-import resource
 import shutil
 import signal
 import struct
@@ -33,7 +32,7 @@ import time
 import zipfile
 from pathlib import Path
 
-from tests.fuzz_case import address_space, install_alarm, run_case
+from tests.fuzz_case import cap_memory, run_case
 
 CASE_ALARM_S = 20
 CAP_BYTES = 256 << 20
@@ -199,10 +198,7 @@ def run(genuine_root: Path, tokenizer_dir: Path, work: Path, seed: int, per_kind
                                  max_checkpoint_bytes=CAP_BYTES) for kind in KINDS}  # the others: their own
     reference = {kind: logits_of(load_backend(str(genuine[kind]), options[kind])) for kind in KINDS}
     before = state_snapshot()
-    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    size = address_space()
-    resource.setrlimit(resource.RLIMIT_AS, (size + (2 << 30), hard))
-    install_alarm()
+    size, uncap = cap_memory(2 << 30)
     rng = random.Random(seed)
     cases = []
     start = time.perf_counter()
@@ -221,7 +217,7 @@ def run(genuine_root: Path, tokenizer_dir: Path, work: Path, seed: int, per_kind
             cases.append({"kind": kind, "mutation": what, "outcome": outcome, "message": message[:500],
                           "seconds": round(time.perf_counter() - t0, 3)})
             shutil.rmtree(case_root, ignore_errors=True)
-    resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    uncap()
     return {"cases": cases, "seconds": round(time.perf_counter() - start, 1),
             "state_unchanged": state_snapshot() == before, "address_space_gib": round(size / (1 << 30), 2)}
 

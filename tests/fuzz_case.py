@@ -4,8 +4,10 @@ exception in a refusal of its own), and the process's address space, to cap memo
 
 from __future__ import annotations
 
+import os
 import resource
 import signal
+from pathlib import Path
 from typing import Callable
 
 
@@ -47,3 +49,25 @@ def address_space() -> int:
     with open("/proc/self/statm") as fh:
         pages = int(fh.read().split()[0])
     return pages * resource.getpagesize()
+
+
+def cap_memory(extra_bytes: int) -> tuple[int, Callable[[], None]]:
+    """Install the case alarm and limit the address space to this process's size now + `extra_bytes`; returns that
+    size and the function that lifts the limit again."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    size = address_space()
+    resource.setrlimit(resource.RLIMIT_AS, (size + extra_bytes, hard))
+    install_alarm()
+    return size, lambda: resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    """Every entry under `folder` (links not followed): {relative path: bytes or a marker}."""
+    seen = {}
+    for dirpath, dirnames, filenames in os.walk(folder):
+        for name in dirnames + filenames:
+            path = Path(dirpath) / name
+            rel = str(path.relative_to(folder))
+            seen[rel] = (b"<link>" + os.readlink(path).encode() if path.is_symlink() else
+                         b"<dir>" if path.is_dir() else path.read_bytes())
+    return seen

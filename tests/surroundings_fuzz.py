@@ -26,13 +26,12 @@ import argparse
 import json
 import os
 import random
-import resource
 import shutil
 import sys
 import time
 from pathlib import Path
 
-from tests.fuzz_case import address_space, install_alarm, run_case
+from tests.fuzz_case import cap_memory, run_case
 
 CASE_ALARM_S = 60
 CAP_BYTES = 4 << 30
@@ -279,9 +278,7 @@ def run(work: Path, seed: int, cases: int) -> dict:
         world = build(work / f"genuine_{layout}", layout, rows)
         references[layout] = docs_of(world, work / f"genuine_{layout}")
     assert references["jsonl"] == references["parquet"] == references["save_to_disk"], "the layouts disagree"
-    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    resource.setrlimit(resource.RLIMIT_AS, (address_space() + CAP_BYTES, hard))
-    install_alarm()
+    _, uncap = cap_memory(CAP_BYTES)
     rng = random.Random(seed)
     out = []
     start = time.perf_counter()
@@ -297,7 +294,7 @@ def run(work: Path, seed: int, cases: int) -> dict:
         out.append({"layout": layout, "mutation": what, "outcome": outcome, "message": message[:500],
                     "seconds": round(time.perf_counter() - t0, 3)})
         shutil.rmtree(case, ignore_errors=True)
-    resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    uncap()
     return {"cases": out, "seconds": round(time.perf_counter() - start, 1)}
 
 

@@ -41,14 +41,13 @@ import io
 import json
 import os
 import random
-import resource
 import shutil
 import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from tests.fuzz_case import address_space, install_alarm, run_case
+from tests.fuzz_case import cap_memory, run_case, snapshot
 
 CASE_ALARM_S = 60
 CAP_BYTES = 4 << 30
@@ -404,18 +403,6 @@ OUTPUT_MUTATIONS = [out_flip, out_flip, out_truncate, out_fifo, out_type, out_ty
                     out_folder]
 
 
-def snapshot(folder: Path) -> dict[str, bytes]:
-    """Every entry under `folder` (links not followed): {relative path: bytes or a marker}."""
-    seen = {}
-    for dirpath, dirnames, filenames in os.walk(folder):
-        for name in dirnames + filenames:
-            path = Path(dirpath) / name
-            rel = str(path.relative_to(folder))
-            seen[rel] = (b"<link>" + os.readlink(path).encode() if path.is_symlink() else
-                         b"<dir>" if path.is_dir() else path.read_bytes())
-    return seen
-
-
 def _entry(path: Path):
     """What is at `path` (not followed), to compare before and after a refusal."""
     if path.is_symlink():
@@ -515,9 +502,7 @@ def run(surface: str, work: Path, seed: int, cases: int) -> dict:
     else:
         outputs_case(build_outputs_world(work / "control"))  # imports everything, before the limit
         mutations = OUTPUT_MUTATIONS
-    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    resource.setrlimit(resource.RLIMIT_AS, (address_space() + CAP_BYTES, hard))
-    install_alarm()
+    _, uncap = cap_memory(CAP_BYTES)
     rng = random.Random(seed)
     out = []
     start = time.perf_counter()
@@ -539,7 +524,7 @@ def run(surface: str, work: Path, seed: int, cases: int) -> dict:
         out.append({"mutation": what, "outcome": outcome, "message": message[:500],
                     "seconds": round(time.perf_counter() - t0, 3)})
         shutil.rmtree(case, ignore_errors=True)
-    resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    uncap()
     return {"surface": surface, "seed": seed, "cases": out, "seconds": round(time.perf_counter() - start, 1)}
 
 

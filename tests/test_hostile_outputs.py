@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from nano_eval.cli import main
+from tests.fuzz_case import snapshot
 
 TASK = "demo|arithmetic|0"
 DETAILS = "demo_arithmetic_0.jsonl"
@@ -57,17 +58,6 @@ def refused(capsys, argv: list[str], *expected: str) -> str:
     assert "Fix:" in lines[0] and all(e in lines[0] for e in expected), lines[0]
     assert "Traceback" not in err, err[-3000:]
     return lines[0]
-
-
-def snapshot(folder: Path) -> dict[str, bytes]:
-    """Every entry under `folder` (links not followed): {relative path: bytes or a marker}."""
-    seen = {}
-    for dirpath, dirnames, filenames in os.walk(folder):
-        for name in dirnames + filenames:
-            path = Path(dirpath) / name
-            rel = str(path.relative_to(folder))
-            seen[rel] = b"<dir>" if path.is_dir() and not path.is_symlink() else path.read_bytes()
-    return seen
 
 
 @pytest.fixture
