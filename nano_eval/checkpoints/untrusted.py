@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nano_eval.errors import NanoEvalError
+from nano_eval.local_files import kind_of
 
 MAX_ENTRIES = 200_000  # files and folders under one checkpoint (a 1000-layer nanotron checkpoint has ~20k)
 CONFIG_BYTES = 64 << 20  # config.json, config.yaml, checkpoint_metadata.json, index files ...
@@ -117,7 +118,7 @@ class Folder:
             except OSError as e:
                 raise CheckpointFileError(path, f"is a broken symlink ({e.strerror})", "restore the file") from e
         if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
-            raise CheckpointFileError(path, f"is a {_kind(st.st_mode)}, not a regular file (reading it could hang)",
+            raise CheckpointFileError(path, f"is a {kind_of(st.st_mode)}, not a regular file (reading it could hang)",
                                       f"remove it from the {self.what} folder")
 
     def inside(self, path: Path) -> bool:
@@ -137,7 +138,7 @@ class Folder:
         except OSError as e:
             raise CheckpointFileError(path, f"cannot be read ({e.strerror})", "restore the file") from e
         if not stat.S_ISREG(st.st_mode):
-            raise CheckpointFileError(path, f"is a {_kind(st.st_mode)}, not a regular file", "restore the file")
+            raise CheckpointFileError(path, f"is a {kind_of(st.st_mode)}, not a regular file", "restore the file")
         return resolved
 
     def has(self, name: str | Path) -> bool:
@@ -161,27 +162,6 @@ class Folder:
     def read_yaml(self, name: str | Path, limit: int = CONFIG_BYTES):
         path = self.root / name
         return parse_yaml(self.read_bytes(name, limit), path)
-
-
-def read_regular_file(path: str | Path, limit: int = CONFIG_BYTES) -> bytes | None:
-    """The bytes of `path` if it is a regular file of at most `limit` bytes (links followed), else None: for
-    looking at a run folder (trackers, trainer state) where a missing or odd file only means "not there yet"."""
-    try:
-        st = os.stat(path)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
-            return None
-        with open(path, "rb") as fh:
-            return fh.read(limit)
-    except OSError:
-        return None
-
-
-def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "character device"),
-                       (stat.S_ISBLK, "block device"), (stat.S_ISDIR, "folder"), (stat.S_ISLNK, "symlink")):
-        if test(mode):
-            return name
-    return "special file"
 
 
 def parse_json(data: bytes, path: str | Path):
