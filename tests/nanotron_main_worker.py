@@ -381,3 +381,69 @@ def train_runs(runs: list[dict]) -> dict:
     finally:
         nt_trainer.DistributedTrainer.train_step_logs = step_logs
     return losses
+
+
+def cache_vs_scoring(ckpt_dirs: dict, layouts: list) -> dict:
+    """For each variant's checkpoint and each (name, tp, pp): nano_eval's Qwen2 KV cache
+    (nano_eval.backends.nanotron_qwen2_cache) driven through the KVCache protocol by hand, against the backend's
+    scoring forward (the re-run path's forward) on the same tokens. Prompts of 3, 9, 6 and 1 tokens, left-padded;
+    three one-token steps; rows selected (one dropped, one repeated, the order changed); then a 3-column extend
+    with padding in the middle for some rows (as after a shared prefix). Returns {(variant, layout):
+    {"max_diff": max |logit diff| over every call, "calls": how many logits were compared, "reason": the cache's
+    refusal (None)}} on lm_head's stage; {(variant, layout): {"reason": ...}} elsewhere."""
+    import torch
+
+    from nano_eval.backends.nanotron_qwen2_cache import Qwen2Cache, unsupported_reason
+    from nano_eval.checkpoints.nanotron import load_native
+    from nano_eval.rows import last_position_row, left_padded, make_batch
+
+    g = torch.Generator().manual_seed(5)
+
+    def draw(n):
+        return torch.randint(3, VOCAB, (n,), generator=g).tolist()
+
+    out = {}
+    for variant, ckpt in ckpt_dirs.items():
+        for name, tp, pp in layouts:
+            backend = load_native(ckpt, None, tp=tp, pp=pp, dtype="float32", max_length=None)
+            result = out[(variant, name)] = {"reason": unsupported_reason(backend)}
+            if result["reason"] is not None:
+                continue
+            cache, diffs = Qwen2Cache(backend), []
+            seqs = [draw(n) for n in (3, 9, 6, 1)]
+            ids, real = left_padded(seqs, 0)
+            cache.allocate(len(seqs), ids.shape[1] + 8)
+
+            def check(logits):
+                want = backend.forward(make_batch([last_position_row(None, s) for s in seqs], 0, with_mask=False))
+                assert (logits is None) == (want is None)
+                if logits is not None:
+                    diffs.append((logits.float() - want.float()).abs().max().item())
+
+            check(cache.run(ids, real))
+            for step in range(3):
+                new = [draw(1) for _ in seqs]
+                seqs = [s + t for s, t in zip(seqs, new)]
+                real = torch.cat([real, torch.ones(len(seqs), 1, dtype=torch.bool)], 1)
+                check(cache.run(torch.tensor(new), real))
+                if step == 0:  # drop row 1, repeat row 3 (the 1-token prompt), reorder
+                    keep = [3, 0, 2, 3]
+                    cache.select_rows(torch.tensor(keep))
+                    seqs, real = [seqs[k] for k in keep], real[keep]
+            # three new columns, left-padded within the chunk: rows with 3, 1, 2 and 3 new tokens
+            counts = [3, 1, 2, 3]
+            new_ids = torch.zeros(len(seqs), 3, dtype=torch.int64)
+            new_real = torch.zeros(len(seqs), 3, dtype=torch.bool)
+            for r, c in enumerate(counts):
+                tokens = draw(c)
+                new_ids[r, 3 - c:], new_real[r, 3 - c:] = torch.tensor(tokens), True
+                seqs[r] = seqs[r] + tokens
+            real = torch.cat([real, new_real], 1)
+            check(cache.run(new_ids, real))
+            new = [draw(1) for _ in seqs]
+            seqs = [s + t for s, t in zip(seqs, new)]
+            real = torch.cat([real, torch.ones(len(seqs), 1, dtype=torch.bool)], 1)
+            check(cache.run(torch.tensor(new), real))
+            if diffs:
+                result |= {"max_diff": max(diffs), "calls": len(diffs)}
+    return out
