@@ -242,6 +242,13 @@ def main_world(rank, world, root: str, tokenizer_dir: str, slow: bool) -> dict:
     layouts = [("tp2", 2, 1)] + ([("tp1xdp2", 1, 1), ("tp2-reduce_scatter", 2, 1, "REDUCE_SCATTER")] if slow else [])
     out["backend"] = backend_vs_model(ckpts, layouts, score=tuple((v, "tp2") for v in variants))
     out["backend"] |= backend_vs_model({"dense": ckpts["dense"]}, [("tp1xdp2", 1, 1)] if not slow else [])
+    # nano_eval's Qwen2 KV cache: its logits vs the scoring forward, its greedy generations vs the re-run path's
+    out["cache"] = cache_vs_scoring(ckpts, [("tp2", 2, 1)])
+    out["cache"] |= cache_vs_scoring({v: ckpts[v] for v in ("dense", "bias")}, [("tp1xdp2", 1, 1)])
+    out["generation"] = generation_vs_rerun({v: ckpts[v] for v in ("dense", "nope", "bias", "swa", "moe")},
+                                            [("tp2", 2, 1)])
+    out["generation"] |= generation_vs_rerun({"nope_swa": ckpts["nope_swa"]}, [("tp1xdp2", 1, 1)])
+    times["cache"] = time.monotonic() - start
     out["cp2"] = cp_folded_into_dp(ckpts["dense"])
     times["cp2"] = time.monotonic() - start
     # pp2 on nanotron main as released: refused on both ranks before any forward (no rank left in a P2P receive)
@@ -261,6 +268,8 @@ def main_world(rank, world, root: str, tokenizer_dir: str, slow: bool) -> dict:
     install_pp_fix()
     out["pp2"] = backend_vs_model({v: ckpts[v] for v in (variants if slow else ["dense", "nope"])}, [("pp2", 1, 2)],
                                   score=(("nope", "pp2"),))
+    out["cache"] |= cache_vs_scoring({v: ckpts[v] for v in ("dense", "nope")}, [("pp2", 1, 2)])
+    out["generation"] |= generation_vs_rerun({"nope": ckpts["nope"]}, [("pp2", 1, 2)])
     if slow:
         out["training"] |= train_layouts(rank, root_dir, tokenizer_dir, [("nope", "pp2", dict(pp=2))])
     times["end"] = time.monotonic() - start
@@ -284,6 +293,7 @@ def cp_folded_into_dp(ckpt: str) -> dict:
     from nano_eval.backends.nanotron import NanotronModel
     from nano_eval.checkpoints.nanotron import tokenizer_path
     from nano_eval.training.nanotron import load_config
+    from tests.generation_checks import cached_and_rerun
     from tests.nanotron_worker import summarize
 
     config = load_config(str(Path(ckpt) / "config.yaml")).model.model_config
@@ -313,6 +323,8 @@ def cp_folded_into_dp(ckpt: str) -> dict:
     with torch.no_grad():
         whole_row = backend.forward(rows_batch(row.tolist()))
     scores = summarize(backend, TASKS, 256, 6)
+    block = backend.forward_module.token_position_embeddings
+    generation = cached_and_rerun(backend, block.pp_block)  # Qwen2Cache with CP folded into DP; never rings
     after = ring_step()
     halves = [torch.empty_like(before[0]) for _ in range(2)]
     dist.all_gather(halves, before[0].contiguous(), group=pc.cp_pg)
@@ -320,7 +332,7 @@ def cp_folded_into_dp(ckpt: str) -> dict:
             "ring_vs_backend": (whole_row - torch.cat(halves)).abs().max().item(),
             "train_step_unchanged": torch.equal(before[0], after[0])
             and all(torch.equal(a, b) for a, b in zip(before[1], after[1])),
-            "switched_before": state, "switched_after": switched()}
+            "switched_before": state, "switched_after": switched(), "generation": generation}
 
 
 EVAL_SECTION = {"tasks": "demo|arithmetic|0,demo|arithmetic_ppl|0", "interval": 2, "on_save": True,
@@ -446,4 +458,20 @@ def cache_vs_scoring(ckpt_dirs: dict, layouts: list) -> dict:
             check(cache.run(torch.tensor(new), real))
             if diffs:
                 result |= {"max_diff": max(diffs), "calls": len(diffs)}
+    return out
+
+
+def generation_vs_rerun(ckpt_dirs: dict, layouts: list) -> dict:
+    """For each variant's checkpoint and each (name, tp, pp): tests/generation_checks.py's greedy generations
+    through the backend's KV-cache decoder (Qwen2Cache under nano_eval.decoder's driver) and through the re-run
+    path, with and without a stop sequence that rows hit at different steps: {(variant, layout): its result}."""
+    from nano_eval.checkpoints.nanotron import load_native
+    from tests.generation_checks import cached_and_rerun
+
+    out = {}
+    for variant, ckpt in ckpt_dirs.items():
+        for name, tp, pp in layouts:
+            backend = load_native(ckpt, None, tp=tp, pp=pp, dtype="float32", max_length=None)
+            block = backend.forward_module.token_position_embeddings  # its module on the input stage only
+            out[(variant, name)] = cached_and_rerun(backend, getattr(block, "pp_block", None))
     return out

@@ -104,6 +104,49 @@ def _same_scores(got, want, rel=1e-5):
         assert got[task]["predictions"] == want[task]["predictions"], task
 
 
+def test_qwen2_cache_logits_equal_the_scoring_forward(world):
+    """nano_eval's Qwen2 KV cache (nano_eval.backends.nanotron_qwen2_cache) driven through the KVCache protocol:
+    left-padded prompts of 3, 9, 6 and 1 tokens, one-token steps, rows dropped / repeated / reordered, a
+    3-column extend with padding in the middle: the logits at every last column equal the backend's scoring
+    forward on the same tokens, for every variant at tp2 (no-RoPE layers, qkv bias, sliding window, both, MoE),
+    at tp1 x dp2 and at pp2 (nanotron's own pp fixed; the cache moves states with the model's P2P)."""
+    _, ranks = world
+    keys = {k for r in ranks for k in r["cache"]}
+    assert {(v, "tp2") for v in ("dense", "nope", "bias", "swa", "nope_swa", "moe")} | {
+        ("dense", "tp1xdp2"), ("bias", "tp1xdp2"), ("dense", "pp2"), ("nope", "pp2")} <= keys
+    for key in sorted(keys):
+        results = [r["cache"][key] for r in ranks]
+        assert all(res["reason"] is None for res in results), (key, results)
+        compared = [res for res in results if "max_diff" in res]  # lm_head's stage (both ranks unless pp2)
+        assert compared and len(compared) == (1 if key[1] == "pp2" else 2), (key, results)
+        assert all(res["calls"] == 6 and res["max_diff"] < TOLERANCE for res in compared), (key, compared)
+        print(f"cache {key}: max |logit diff| {max(res['max_diff'] for res in compared):.1e}")
+
+
+def test_qwen2_cached_generation_equals_the_rerun_path(world):
+    """Greedy generations through the Qwen2 KV cache equal the re-run path's token for token (fp32), with rows of
+    different prompt lengths and (with a stop sequence) rows finishing at different steps; the cache puts each
+    prompt through the embedding once, the re-run path prompt x answer tokens. tp2 (dense, no-RoPE, qkv bias,
+    sliding window, MoE), tp1 x dp2 (no-RoPE + sliding window), pp2 (no-RoPE), cp2 folded into dp (dense).
+    Before: Qwen2 had no decoder (incremental_decoder() was None) and every generation re-ran the prompt."""
+    from tests.generation_checks import check_cost
+
+    _, ranks = world
+    runs = {k: [r["generation"][k] for r in ranks] for k in ranks[0]["generation"]}
+    runs[("dense", "cp2")] = [r["cp2"]["generation"] for r in ranks]
+    assert {("dense", "tp2"), ("nope", "tp2"), ("bias", "tp2"), ("swa", "tp2"), ("moe", "tp2"),
+            ("nope_swa", "tp1xdp2"), ("nope", "pp2"), ("dense", "cp2")} <= runs.keys()
+    for key, gens in sorted(runs.items()):
+        for gen in gens:
+            assert gen["decoder"], key
+            assert gen["cached"] == gen["rerun"] and gen["cached_stop"] == gen["rerun_stop"], key
+            assert not gen["divergences"] and not gen["divergences_stop"], key
+        lengths = {len(tokens) for g in gens for tokens, _, _ in g["cached_stop"].values()}
+        assert len(lengths) > 1, (key, lengths)  # rows finished at different steps
+        cached, rerun = check_cost(gens)
+        print(f"generation {key}: tokens through the embedding {cached} (cache) vs {rerun} (re-run)")
+
+
 def test_context_parallelism_is_folded_into_data_parallelism(world):
     """cp2 (nanotron main's llama3 ring attention, the dense checkpoint): the live backend scores with each CP rank
     a data-parallel rank of its own (layout dp 2, cp_in_dp 2) and the ring off while scoring: scores equal the same

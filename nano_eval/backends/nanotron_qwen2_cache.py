@@ -82,16 +82,10 @@ class Qwen2Cache:
         self.length = self.columns = 0
 
     def allocate(self, rows: int, columns: int) -> None:
-        """Empty caches for `rows` rows of up to `columns` columns, for this stage's layers."""
+        """An empty cache of up to `columns` columns; the tensors are made by the first `run`, for its rows (the
+        driver may prefill a shared prefix as one row and copy it to `rows` rows with select_rows)."""
         self.length, self.columns = 0, columns
         self.keys, self.values = {}, {}
-        for kind, block, i in self.blocks:
-            if kind == "layer" and hasattr(block, "pp_block"):
-                attn = block.pp_block.attn
-                shape = (rows, columns, attn.local_num_kv_heads, attn.head_dim)
-                weight = attn.qkv_proj.weight
-                self.keys[i] = torch.zeros(shape, dtype=weight.dtype, device=weight.device)
-                self.values[i] = torch.zeros_like(self.keys[i])
 
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep rows `index` (in that order, repeats allowed) of every cache."""
@@ -105,9 +99,12 @@ class Qwen2Cache:
         far, the new ones included. Logits [b, V/tp] at the last new column on lm_head's stage, None elsewhere."""
         b, n = ids.shape
         total = real.shape[1]
-        if total != self.length + n or total > self.columns:
-            raise RuntimeError(f"Qwen2 KV cache: {n} new columns onto {self.length} ({total} in the mask), "
-                               f"room for {self.columns}")
+        rows = next(iter(self.keys.values())).shape[0] if self.keys else b
+        if total != self.length + n or total > self.columns or rows != b:
+            raise RuntimeError(f"Qwen2 KV cache of {rows} rows: {b} rows of {n} new columns onto {self.length} "
+                               f"({total} in the mask), room for {self.columns}")
+        if self.length == 0:
+            self._make(b)
         real = real.to(self.device)
         positions = (real.long().cumsum(1) - 1).clamp(min=0)  # RoPE position of each column: real tokens before it
         masks = self._masks(real, positions, n)
@@ -133,6 +130,16 @@ class Qwen2Cache:
                 logits = module(states)  # [b, V/tp]
         self.length = total
         return logits
+
+    def _make(self, rows: int) -> None:
+        """Zero keys / values [rows, columns, kv_heads/tp, head_dim] for this stage's layers, in the model's dtype."""
+        for kind, block, i in self.blocks:
+            if kind == "layer" and hasattr(block, "pp_block"):
+                attn = block.pp_block.attn
+                weight = attn.qkv_proj.weight
+                shape = (rows, self.columns, attn.local_num_kv_heads, attn.head_dim)
+                self.keys[i] = torch.zeros(shape, dtype=weight.dtype, device=weight.device)
+                self.values[i] = torch.zeros_like(self.keys[i])
 
     def _masks(self, real: torch.Tensor, positions: torch.Tensor, n: int) -> dict:
         """{window or None: boolean mask [b, 1, n, S]}: which columns each new column attends to (module
