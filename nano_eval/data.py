@@ -74,7 +74,7 @@ class GenerativeTaskDataset(DynamicBatchDataset):
 
     A batch holds rows while rows x (longest prompt + generation budget) <= max_tokens: that is the KV cache the
     decoders hold (each row's columns, the copies of a shared prompt prefix included: see
-    nano_eval.backends.transformers.CachedDecoder), so --batch-tokens bounds generation memory as it bounds scoring.
+    nano_eval.decoder.CacheDecoder), so --batch-tokens bounds generation memory as it bounds scoring.
     """
 
     def __init__(self, items: Sequence[Row]):

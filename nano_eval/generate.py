@@ -1,11 +1,13 @@
-"""Greedy decoding, one batch of prompts at a time.
+"""Greedy decoding, one batch of prompts at a time: the one driver every backend's generation goes through.
 
-A backend with `incremental_decoder()` (transformers: its cache or a growing buffer; nanotron: its `Store` inference
-path; Megatron: megatron-core's static inference context) runs each prompt once and then one token per row per step
-from its KV cache: the cost grows with prompt + answer length. When a backend has no decoder, or returns None for
-this model (a layout or attention kernel its cache cannot serve exactly), the whole prompt (plus what was
-generated) is re-run for every new token, one ordinary forward of prompt-only rows (nano_eval.rows.last_position_row),
-which works on every backend and every TP/PP layout but costs prompt x answer.
+A backend with `incremental_decoder()` runs each prompt once and then one token per row per step from its KV
+cache, so the cost grows with prompt + answer length: a nano_eval.decoder.CacheDecoder (left padding, shared
+prefixes, finished rows dropped, the cache sized to the batch) over the framework's own cache (transformers: its
+DynamicCache grown in place; nanotron 0.4: its inference `Store`; Megatron: megatron-core's static inference
+context). When a backend has no decoder, or returns None for this model (a layout or attention kernel its cache
+cannot serve exactly), the whole prompt (plus what was generated) is re-run for every new token, one ordinary
+forward of prompt-only rows (nano_eval.rows.last_position_row), which works on every backend and every TP/PP
+layout but costs prompt x answer.
 Either way the argmax comes from the vocab-sharded logits on the output pipeline stage and is broadcast to every
 rank of the replica, so all ranks agree on when to stop.
 """
@@ -13,7 +15,7 @@ rank of the replica, so all ranks agree on when to stop.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Collection, Protocol, Sequence
+from typing import Callable, Collection, Sequence
 
 import torch
 
@@ -35,21 +37,6 @@ class GenerationResult:
     non_finite_at: int | None = None  # the generated token whose logits held NaN / inf (decoding stopped there)
 
 
-class IncrementalDecoder(Protocol):
-    """What a backend returns from `incremental_decoder()`: decoding state for one batch of prompts."""
-
-    def prefill(self, prompts: list[list[int]], pad_id: int, max_new_tokens: int,
-                width: int | None = None) -> torch.Tensor | None:
-        """Logits [B, V/tp] at each prompt's last token (on the output stage; None elsewhere). Prompts are
-        left-padded to the longest (or to `width`, lockstep's agreed width, when wider); the cache is sized for
-        rows x (that width + max_new_tokens) columns, the budget generation batches are cut by."""
-        ...
-
-    def extend(self, keep: list[int], next_ids: list[int]) -> torch.Tensor | None:
-        """Keep rows `keep` (in order), append next_ids[k] to row keep[k]; logits [len(keep), V/tp] at them."""
-        ...
-
-
 def greedy_decode(backend: Backend, rows: Sequence[Row], pad_id: int, eos_ids: Collection[int],
                   vocab_shard: Callable[[torch.Tensor], VocabShard], shared_prefix_tokens: int = 0,
                   lockstep: Lockstep | None = None, agreement: Agreement | None = None) -> dict:
@@ -58,8 +45,8 @@ def greedy_decode(backend: Backend, rows: Sequence[Row], pad_id: int, eos_ids: C
     A row stops at a stop sequence, at any id in `eos_ids` (not kept), or after max_new_tokens. The text is the
     decoded tokens without special tokens, cut at the first stop sequence (as lm-evaluation-harness).
 
-    On a backend with `shares_prompt_prefix`, prompts that start with the same `shared_prefix_tokens` (> 0) or
-    more tokens have that prefix prefilled once (`incremental_decoder(shared_prefix_tokens=...)`).
+    Prompts that start with the same `shared_prefix_tokens` (> 0) or more tokens have that prefix prefilled once
+    where the backend's cache allows it (`incremental_decoder(shared_prefix_tokens=...)`, nano_eval.decoder).
 
     lockstep (nano_eval.lockstep, for models with collectives across data-parallel ranks): its filler prompts are
     decoded after `rows` (which may be empty), prompts are padded to its agreed width, no row leaves the batch
@@ -85,10 +72,8 @@ def greedy_decode(backend: Backend, rows: Sequence[Row], pad_id: int, eos_ids: C
     active = list(range(len(contexts)))  # rows still in the batch, in the decoder's row order
     broken: dict[int, int] = {}  # row -> the generated token whose logits were not finite
     decoder = None
-    if getattr(backend, "shares_prompt_prefix", False) and shared_prefix_tokens:
+    if hasattr(backend, "incremental_decoder"):
         decoder = backend.incremental_decoder(shared_prefix_tokens=shared_prefix_tokens)
-    elif hasattr(backend, "incremental_decoder"):
-        decoder = backend.incremental_decoder()
     width = lockstep.width if lockstep else None
     logits = decoder.prefill(contexts, pad_id, steps, width) if decoder is not None else None
     for step in range(steps):

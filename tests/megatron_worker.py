@@ -98,22 +98,21 @@ def score_layout(name, tokenizer_dir, root: Path) -> dict:
 def generation_checks(backend, chunks) -> dict:
     """tests/generation_checks.py's decoder vs re-run comparison; with `cache_rows_x_columns`: the largest rows x
     columns of a KV cache the decoder allocated (filler rows of the interleaved pipeline included)."""
-    from nano_eval.backends.megatron_cache import StaticCacheDecoder
+    from nano_eval.backends.megatron_cache import StaticCache
     from nano_eval.compat.megatron import unwrap
     from tests.generation_checks import cached_and_rerun
 
-    sizes, prefill = [0], StaticCacheDecoder.prefill
+    sizes, allocate = [0], StaticCache.allocate
 
     def recorded(self, *args):
-        logits = prefill(self, *args)
+        allocate(self, *args)
         sizes.append(self.context.max_batch_size * self.context.max_sequence_length)
-        return logits
 
-    StaticCacheDecoder.prefill = recorded
+    StaticCache.allocate = recorded
     try:
         out = cached_and_rerun(backend, getattr(unwrap(chunks[0]), "embedding", None))
     finally:
-        StaticCacheDecoder.prefill = prefill
+        StaticCache.allocate = allocate
     return {**out, "cache_rows_x_columns": max(sizes)}
 
 

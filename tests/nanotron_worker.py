@@ -129,22 +129,22 @@ def evaluate_layouts(rank, world, ckpt_dir: str, layouts: list, tasks: str, batc
 def generation_checks(backend) -> dict:
     """tests/generation_checks.py's decoder vs re-run comparison, tokens counted at nanotron's Embedding; with
     `cache_rows_x_columns`: the largest rows x columns of this rank's KV caches after a prefill (0 off the decoder)."""
-    from nano_eval.backends.nanotron_cache import StoreDecoder
+    from nano_eval.backends.nanotron_cache import StoreCache
     from tests.generation_checks import cached_and_rerun
 
-    sizes, prefill = [0], StoreDecoder.prefill
+    sizes, run = [0], StoreCache.run
 
-    def recorded(self, *args):
-        logits = prefill(self, *args)
+    def recorded(self, ids, real):  # after the prefill (the first run of a batch): the caches' rows x columns
+        logits = run(self, ids, real)
         sizes.extend(state["key"].shape[0] * state["key"].shape[1] for state in self.store.values() if "key" in state)
         return logits
 
     block = backend.forward_module.token_position_embeddings  # a PipelineBlock: its module on the input stage only
-    StoreDecoder.prefill = recorded
+    StoreCache.run = recorded
     try:
         out = cached_and_rerun(backend, getattr(block, "pp_block", None))
     finally:
-        StoreDecoder.prefill = prefill
+        StoreCache.run = run
     return {**out, "cache_rows_x_columns": max(sizes)}
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nano_eval.backends.transformers import CachedDecoder, TransformersModel, attention_kinds
+from nano_eval.backends.transformers import TransformersModel, attention_kinds
 from nano_eval.engine import BatchingConfig, Engine
 from nano_eval.tasks.requests import GreedyUntilRequest, LoglikelihoodRequest
 
@@ -63,7 +63,7 @@ def test_decoder_prefill_equals_each_prompt_alone(backend):
     alone; before the fix the shared layout was 0.1-0.5 off."""
     prompts = _prompts(backend.tokenizer)
     with torch.no_grad():
-        batched = CachedDecoder(backend, shared_prefix_tokens=32).prefill(prompts, 0, 4)
+        batched = backend.incremental_decoder(shared_prefix_tokens=32).prefill(prompts, 0, 4)
         alone = torch.stack([backend.model(torch.tensor([p])).logits[0, -1] for p in prompts])
     torch.testing.assert_close(batched, alone, atol=1e-4, rtol=1e-4)
 

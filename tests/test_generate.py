@@ -100,10 +100,8 @@ def test_shared_prefix_decoder_matches_unshared_logits(toy_backend):
     """The decoder's logits with and without prefix sharing, at prefill and after some steps: equal to fp32 noise."""
     import torch
 
-    from nano_eval.backends.transformers import CachedDecoder
-
     prompts = [r.tokenized_context or toy_backend.tokenizer(r.context)["input_ids"] for r in _few_shot_requests(5, 1)]
-    shared, plain = CachedDecoder(toy_backend, shared_prefix_tokens=32), CachedDecoder(toy_backend)
+    shared, plain = toy_backend.incremental_decoder(shared_prefix_tokens=32), toy_backend.incremental_decoder()
     a, b = shared.prefill(prompts, 0, 8), plain.prefill(prompts, 0, 8)
     assert shared.shared >= 32 and plain.shared == 0
     torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
@@ -124,14 +122,14 @@ def test_growing_cache_writes_in_place_and_decodes_like_dynamic_cache(toy_backen
     runs = {}
     for name, cache in [("growing", tb._growing_cache), ("dynamic", lambda model, limit: None)]:
         monkeypatch.setattr(tb, "_growing_cache", cache)
-        decoder = tb.CachedDecoder(toy_backend, shared_prefix_tokens=32)
+        decoder = toy_backend.incremental_decoder(shared_prefix_tokens=32)
         runs[name] = [decoder.prefill(prompts, 0, len(steps) + 1)]
         buffers = set()
         for keep, ids in steps:
             runs[name].append(decoder.extend(keep, ids))
-            buffers.add(getattr(decoder.cache.layers[0], "room", (torch.empty(0),))[0].data_ptr())
+            buffers.add(getattr(decoder.cache.cache.layers[0], "room", (torch.empty(0),))[0].data_ptr())
         if name == "growing":
-            assert isinstance(decoder.cache.layers[0], tb._GrowingLayer)
+            assert isinstance(decoder.cache.cache.layers[0], tb._GrowingLayer)
             assert len(buffers) <= 3  # new room only after the two row drops, not at every step
     for a, b in zip(runs["growing"], runs["dynamic"]):
         assert torch.equal(a, b)

@@ -83,17 +83,19 @@ class MegatronModel:
         input_ids = self._padded(batch.input_ids.to(self.device))
         return self.run(self._inputs(input_ids), batch.rows.to(self.device), batch.cols.to(self.device))
 
-    def incremental_decoder(self):
-        """Greedy generation from megatron-core's static KV cache (nano_eval.backends.megatron_cache), or None
-        (generation re-runs the prompt for every token) where the model cannot decode that way exactly."""
-        from nano_eval.backends.megatron_cache import StaticCacheDecoder, unsupported_reason
+    def incremental_decoder(self, shared_prefix_tokens: int = 0):
+        """Greedy generation from megatron-core's static KV cache (nano_eval.backends.megatron_cache behind
+        nano_eval.decoder.CacheDecoder; no shared prefix), or None (generation re-runs the prompt for every token)
+        where the model cannot decode that way exactly."""
+        from nano_eval.backends.megatron_cache import StaticCache, unsupported_reason
+        from nano_eval.decoder import CacheDecoder
 
         reason = unsupported_reason(self)  # from this stage's layers: all stages must agree before decoding
         lay = self.layout
         if any_rank_true(reason is not None, lay.pp_group, lay.pp_size, lay.device):
             note_rerun_generation(self, reason or "a model chunk on another pipeline stage")
             return None
-        return StaticCacheDecoder(self)
+        return CacheDecoder(StaticCache(self), shared_prefix_tokens)
 
     @torch.no_grad()
     def run(self, inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor], rows: torch.Tensor, cols: torch.Tensor,

@@ -1,6 +1,6 @@
 """Greedy decoding from megatron-core's own KV cache, in the model's TP x PP layout (see nano_eval.generate).
 
-`StaticCacheDecoder` keeps a megatron-core `StaticInferenceContext` per batch of prompts: GPTModel's attention
+`StaticCache` keeps a megatron-core `StaticInferenceContext` per batch of prompts: GPTModel's attention
 layers write their keys and values into it (`[capacity, b, groups/tp, head_dim]` per layer, on the ranks that
 hold the layer) and read every earlier column back, so each prompt runs through the model once and then one token
 per row per step. Between pipeline stages the hidden states travel through Megatron's schedule, as in the
@@ -39,7 +39,6 @@ from contextlib import ExitStack, contextmanager
 import torch
 
 from nano_eval.compat.megatron import unwrap
-from nano_eval.rows import left_padded
 
 _POSITIONS = ("rope", "learned_absolute", "none")
 _SEQUENCE_PARALLEL_ATTRS = ("sequence_parallel", "scatter_to_sequence_parallel", "reduce_scatter_embeddings")
@@ -77,13 +76,16 @@ def unsupported_reason(backend) -> str | None:
     return None
 
 
-class StaticCacheDecoder:
-    """Decoding state of one batch of prompts (the IncrementalDecoder protocol of nano_eval.generate).
+class StaticCache:
+    """megatron-core's static KV cache for one batch of rows (the KVCache of nano_eval.decoder).
 
-    Every rank of the model replica calls prefill / extend with the same arguments; logits come back on the last
-    pipeline stage only (None elsewhere). Each rank's cache holds its own layers' keys and values for its TP shard
-    of the query groups.
+    Every rank of the model replica calls it with the same arguments; logits come back on the last pipeline stage
+    only (None elsewhere). Each rank's cache holds its own layers' keys and values for its TP shard of the query
+    groups. Rows are left-padded (the prompts first, then one token per row per call: no shared prefix), so a row's
+    padding is the columns before its first token.
     """
+
+    multi_token_extend = False  # the per-row RoPE positions below assume left padding only
 
     def __init__(self, backend):
         self.backend = backend
@@ -93,35 +95,19 @@ class StaticCacheDecoder:
         self.rows = 0  # real rows; the cache also holds filler rows (copies of row 0) up to a multiple of groups
         self.pads: torch.Tensor | None = None  # [cache rows] int64: left-padding columns of each cache row
 
-    @torch.no_grad()
-    def prefill(self, prompts: list[list[int]], pad_id: int, max_new_tokens: int,
-                width: int | None = None) -> torch.Tensor | None:
-        """Logits [B, V/tp] at each prompt's last token (last stage); fills the cache with the prompts (a cache of
-        longest prompt (or `width`) + max_new_tokens columns)."""
+    def allocate(self, rows: int, columns: int) -> None:
         from megatron.core.inference.contexts import StaticInferenceContext
 
-        ids, real = left_padded(prompts, pad_id, width)
-        width = ids.shape[1]
-        self.rows = len(prompts)
-        pads = (~real).sum(dim=1).to(self.backend.device)  # [b] left-padding columns of each row
-        self.pads = self._filled(pads)
-        self.context = StaticInferenceContext(max_batch_size=len(self.pads),
-                                              max_sequence_length=width + max(1, max_new_tokens))
-        return self._forward(ids)
+        self.rows = rows
+        self.context = StaticInferenceContext(max_batch_size=rows + (-rows % self.groups),
+                                              max_sequence_length=columns)
 
-    @torch.no_grad()
-    def extend(self, keep: list[int], next_ids: list[int]) -> torch.Tensor | None:
-        """Keep rows `keep` (indices into the current rows, in order), append next_ids[k] to row keep[k];
-        logits [len(keep), V/tp] at the appended tokens (last stage)."""
-        if len(keep) < self.rows:
-            index = self._filled(torch.tensor(keep, dtype=torch.int64, device=self.backend.device))
-            memory = self.context.key_value_memory_dict
-            for layer, (keys, values) in memory.items():  # [capacity, cache rows, groups/tp, head_dim]
-                memory[layer] = (keys.index_select(1, index.to(keys.device)),
-                                 values.index_select(1, index.to(values.device)))
-            self.rows, self.pads = len(keep), self.pads[index]
-            self.context.max_batch_size = len(index)
-        return self._forward(torch.tensor(next_ids, dtype=torch.int64)[:, None])
+    def select_rows(self, index: torch.Tensor) -> None:
+        index = self._filled(index.to(self.backend.device))
+        memory = self.context.key_value_memory_dict
+        for layer, (keys, values) in memory.items():  # [capacity, cache rows, groups/tp, head_dim]
+            memory[layer] = (keys.index_select(1, index.to(keys.device)), values.index_select(1, index.to(values.device)))
+        self.context.max_batch_size = len(index)
 
     def _filled(self, rows: torch.Tensor) -> torch.Tensor:
         """[b] -> [b'] with b' the next multiple of self.groups: filler rows repeat the first row (their logits are
@@ -129,15 +115,15 @@ class StaticCacheDecoder:
         fill = -rows.shape[0] % self.groups
         return torch.cat([rows, rows[:1].expand(fill, *rows.shape[1:])]) if fill else rows
 
-    def _forward(self, new_ids: torch.Tensor) -> torch.Tensor | None:
-        """new_ids [b, n] into cache columns [start, start + n) of every row; logits [b, V/tp] at the last one."""
+    @torch.no_grad()
+    def run(self, ids: torch.Tensor, real: torch.Tensor) -> torch.Tensor | None:
+        """ids [b, n] into cache columns [start, start + n) of every row; logits [b, V/tp] at the last one."""
         device, context = self.backend.device, self.context
         start = context.sequence_len_offset
-        end = start + new_ids.shape[1]
-        if end > context.max_sequence_length:
-            raise RuntimeError(f"Megatron KV cache of {context.max_sequence_length} columns is full: more tokens than "
-                               "the max_new_tokens given to prefill")
-        new_ids = self._filled(new_ids.to(device))
+        end = start + ids.shape[1]
+        self.rows = ids.shape[0]
+        self.pads = self._filled((~real).sum(dim=1).to(device))  # [cache rows] left-padding columns of each row
+        new_ids = self._filled(ids.to(device))
         columns = torch.arange(start, end, device=device)
         positions = (columns[None, :] - self.pads[:, None]).clamp(min=0)  # [cache rows, n]
         keys = torch.arange(end, device=device)

@@ -139,14 +139,16 @@ class NanotronModel:
         if self.layout.cp_size > 1:
             self.local_attention = LocalAttention(self.forward_module, parallel_context)
 
-    def incremental_decoder(self):
-        """Greedy generation from nanotron 0.4's Llama KV cache (nano_eval.backends.nanotron_cache), or None
-        (generation re-runs the prompt for every token) under tp_mode REDUCE_SCATTER or for another model."""
-        from nano_eval.backends.nanotron_cache import StoreDecoder, unsupported_reason
+    def incremental_decoder(self, shared_prefix_tokens: int = 0):
+        """Greedy generation from nanotron 0.4's Llama KV cache (nano_eval.backends.nanotron_cache behind
+        nano_eval.decoder.CacheDecoder; no shared prefix), or None (generation re-runs the prompt for every token)
+        under tp_mode REDUCE_SCATTER or for another model."""
+        from nano_eval.backends.nanotron_cache import StoreCache, unsupported_reason
+        from nano_eval.decoder import CacheDecoder
 
         reason = unsupported_reason(self)
         if reason is None:
-            return StoreDecoder(self)
+            return CacheDecoder(StoreCache(self), shared_prefix_tokens)
         note_rerun_generation(self, reason)
         return None
 

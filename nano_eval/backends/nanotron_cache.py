@@ -4,10 +4,11 @@ nanotron 0.4's Llama has an inference path: with a `Store` attached (nanotron.ge
 `CausalSelfAttention` keeps its keys and values `[b, max_position_embeddings, kv_heads/tp, head_dim]` and each
 row's position offset; the prefill runs `flash_attn_varlen_func` on the unpadded prompts (pads must be on the
 left) and moves them into the cache; every later step appends one token per row with `flash_attn_with_kvcache`
-at that row's own length. So each row sees exactly its own tokens at its own positions. `StoreDecoder` drives it
+at that row's own length. So each row sees exactly its own tokens at its own positions. `StoreCache` drives it
 the way the backend's scoring forward drives the model (inputs on the first stage, TensorPointers elsewhere, the
 model's P2P between stages), keeps the logits of the last column `[b, V/tp]` on the last stage, and drops
-finished rows from every stored tensor (batch is their first dimension).
+finished rows from every stored tensor (batch is their first dimension). nano_eval.decoder.CacheDecoder keeps the
+rows' bookkeeping.
 
 Memory: nanotron sizes each layer's cache to `prefill_kv_len` columns per row and its RoPE table to
 `rotary_embedding.end` positions (both max_position_embeddings); the decoding asserts they are equal. While the
@@ -30,7 +31,6 @@ from contextlib import contextmanager
 import torch
 
 from nano_eval.compat.nanotron import four_value_unpad_input
-from nano_eval.rows import left_padded
 
 
 def unsupported_reason(backend) -> str | None:
@@ -51,51 +51,42 @@ def unsupported_reason(backend) -> str | None:
     return None
 
 
-class StoreDecoder:
-    """Decoding state of one batch of prompts (the IncrementalDecoder protocol of nano_eval.generate).
+class StoreCache:
+    """nanotron's inference Store for one batch of rows (the KVCache of nano_eval.decoder).
 
-    Every rank of the model replica calls prefill / extend with the same arguments; logits [b, V/tp] come back on
-    the last pipeline stage only (None elsewhere). Each rank's store holds its own layers' caches.
+    Every rank of the model replica calls it with the same arguments; logits [b, V/tp] come back on the last
+    pipeline stage only (None elsewhere). Each rank's store holds its own layers' caches. nanotron's prefill takes
+    the left-padded prompts with their mask; every later call appends one token per row (no shared prefix).
     """
+
+    multi_token_extend = False  # nanotron's decoding path takes one new token per row once the cache is filled
 
     def __init__(self, backend):
         from nanotron.generation.generate_store import Store
         from nanotron.models.llama import CausalSelfAttention
 
         four_value_unpad_input()
-        self.backend, self.store, self.rows = backend, Store(), 0
+        self.backend, self.store_class = backend, Store
+        self.store = Store()
         self.attentions = [m for m in backend.forward_module.modules() if isinstance(m, CausalSelfAttention)
                            and hasattr(m, "prefill_kv_len") and hasattr(m, "rotary_embedding")]
-        self.columns = self.length = 0  # cache columns of the current batch (longest prompt + max_new_tokens), used
+        self.columns = 0  # cache columns of the current batch (longest prompt + max_new_tokens)
         self.tables: dict[int, torch.Tensor] = {}  # RoPE table of `columns` positions, per attention layer
 
-    @torch.no_grad()
-    def prefill(self, prompts: list[list[int]], pad_id: int, max_new_tokens: int,
-                width: int | None = None) -> torch.Tensor | None:
-        """Logits [B, V/tp] at each prompt's last token (last stage); fills the caches with the prompts (caches of
-        longest prompt (or `width`) + max_new_tokens columns)."""
-        ids, mask = left_padded(prompts, pad_id, width)  # nanotron's prefill requires the pads before the tokens
-        self.rows, self.length = len(prompts), ids.shape[1]
-        self.columns, self.tables = ids.shape[1] + max(1, max_new_tokens), {}
-        return self._forward(ids, mask)
+    def allocate(self, rows: int, columns: int) -> None:
+        self.store, self.columns, self.tables = self.store_class(), columns, {}
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        index = index.to(self.backend.device)
+        for state in self.store.values():  # per module: key/value caches, position offsets, past lengths
+            for name, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    state[name] = value.index_select(0, index.to(value.device))
 
     @torch.no_grad()
-    def extend(self, keep: list[int], next_ids: list[int]) -> torch.Tensor | None:
-        """Keep rows `keep` (indices into the current rows, in order), append next_ids[k] to row keep[k];
-        logits [len(keep), V/tp] at the appended tokens (last stage)."""
-        if len(keep) < self.rows:
-            index = torch.tensor(keep, dtype=torch.int64, device=self.backend.device)
-            for state in self.store.values():  # per module: key/value caches, position offsets, past lengths
-                for name, value in state.items():
-                    if isinstance(value, torch.Tensor):
-                        state[name] = value.index_select(0, index.to(value.device))
-            self.rows = len(keep)
-        if self.length + 1 > self.columns:
-            raise RuntimeError(f"nanotron KV cache of {self.columns} columns is full: more tokens than the "
-                               "max_new_tokens given to prefill")
-        self.length += 1
-        ids = torch.tensor(next_ids, dtype=torch.int64)[:, None]
-        return self._forward(ids, torch.ones_like(ids, dtype=torch.bool))
+    def run(self, ids: torch.Tensor, real: torch.Tensor) -> torch.Tensor | None:
+        """The prompts (left-padded, the first call) or one new token per row through every stage."""
+        return self._forward(ids, real[:, -ids.shape[1]:])
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
         """ids / mask [b, n] through every stage with the store attached; logits [b, V/tp] of the last column."""

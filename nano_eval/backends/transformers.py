@@ -19,7 +19,8 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 from nano_eval.backends.base import Batch
 from nano_eval.errors import NanoEvalError
 from nano_eval.parallel import ParallelLayout
-from nano_eval.rows import common_prefix_length, left_padded, tree_attention_mask
+from nano_eval.decoder import CacheDecoder, positions
+from nano_eval.rows import tree_attention_mask
 
 
 class TransformersModel:
@@ -63,10 +64,11 @@ class TransformersModel:
         scored = hidden.flatten(0, 1)[flat]
         return self.model.get_output_embeddings()(scored)[inverse]
 
-    def incremental_decoder(self, shared_prefix_tokens: int = 0) -> "CachedDecoder":
-        """Greedy generation from a KV cache: each batch's prompts run once, then one token per row per step;
-        prompts starting with the same `shared_prefix_tokens` or more tokens run that prefix once (0: never)."""
-        return CachedDecoder(self, shared_prefix_tokens)
+    def incremental_decoder(self, shared_prefix_tokens: int = 0) -> CacheDecoder:
+        """Greedy generation from a KV cache (nano_eval.decoder): each batch's prompts run once, then one token per
+        row per step; prompts starting with the same `shared_prefix_tokens` or more tokens run that prefix once
+        (0: never)."""
+        return CacheDecoder(TransformersCache(self), shared_prefix_tokens)
 
     def _tree_mask(self, batch: Batch) -> torch.Tensor:
         """4D mask from the batch's segment/branch ids: bool for sdpa (True = attend), additive for eager."""
@@ -81,74 +83,35 @@ class TransformersModel:
         return torch.zeros(mask.shape, dtype=dtype, device=self.device).masked_fill_(~mask, torch.finfo(dtype).min)
 
 
-class CachedDecoder:
-    """Incremental decoding of one batch of prompts with transformers' own KV cache (see nano_eval.generate).
+class TransformersCache:
+    """transformers' own KV cache for one batch of rows (the KVCache of nano_eval.decoder; one process holds the
+    whole model, tp = pp = 1). The mask of real columns goes to the model as its 2D attention mask and the positions
+    count real tokens only, as transformers' `generate` does. Full-attention models get a DynamicCache of
+    _GrowingLayer (room for the batch's columns, written in place); others build their own cache (sliding windows
+    and the like). Several new columns may follow earlier ones (a shared prompt prefix) on models whose layers are
+    all full causal attention (`backend.shares_prompt_prefix`): a sliding window counts columns, and would count the
+    padding between prefix and suffix as tokens."""
 
-    Prompts are left-padded, so every row's newest token sits in the last column, and position ids count each
-    row's real tokens only (as transformers' `generate` does): each row sees what it would see alone. Rows that
-    finish are dropped from the cache, so they stop costing compute. One process holds the whole model (tp = pp = 1).
-
-    Prompts that start with the same `shared_prefix_tokens` (> 0) or more tokens (fixed few-shot examples) share them:
-    the common prefix runs once as a batch of one, its cache is copied to every row, and only each prompt's own
-    suffix is prefilled. Columns are then [prefix | left padding | suffix]: the padding sits between the two and is
-    masked out, and positions still count real tokens only, so each row again sees exactly its own prompt. Only on
-    models whose layers are all full causal attention (`backend.shares_prompt_prefix`): a sliding window counts
-    columns, and would count the padding between prefix and suffix as tokens.
-
-    Memory: the cache holds at most rows x (longest prompt + max_new_tokens) columns per layer (the shared prefix is
-    copied into every row), the budget the engine's generation batches are cut by (nano_eval.data).
-    """
-
-    def __init__(self, backend: TransformersModel, shared_prefix_tokens: int = 0):
+    def __init__(self, backend: TransformersModel):
         self.backend = backend
-        self.shared_prefix_tokens = shared_prefix_tokens if backend.shares_prompt_prefix else 0  # 0: never share
+        self.multi_token_extend = backend.shares_prompt_prefix
         self.cache = None
         # transformers renamed `past_key_values` to `cache` (5.x; the old name warns, then goes in 5.40)
         model = backend.model.get_decoder() if backend._head_only_on_scored else backend.model
         self._cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-        self.mask: torch.Tensor | None = None  # [b, S] 1 on real tokens (prompt and generated), 0 on padding
-        self.shared = 0  # length of the prefix the last prefill shared (0: none)
 
-    def prefill(self, prompts: list[list[int]], pad_id: int, max_new_tokens: int,
-                width: int | None = None) -> torch.Tensor:
-        """Logits [B, V] at each prompt's last token; fills the cache with the prompts (room for the longest prompt,
-        or `width` columns of left-padded prompts, + max_new_tokens columns at most; no shared prefix then)."""
-        limit = max(max(map(len, prompts)), width or 0) + max_new_tokens
-        self.cache = _growing_cache(self.backend.model, limit)
-        self.shared = 0 if width else self._shared_length(prompts)
-        if self.shared:
-            self.mask = torch.ones((1, self.shared), dtype=torch.int64)
-            self._forward(torch.tensor([prompts[0][: self.shared]], dtype=torch.int64))
-            self.cache.batch_repeat_interleave(len(prompts))
-        ids, mask = left_padded([p[self.shared :] for p in prompts], pad_id, width)
-        self.mask = torch.cat([torch.ones((len(prompts), self.shared), dtype=torch.int64), mask.long()], dim=1)
-        return self._forward(ids)
+    def allocate(self, rows: int, columns: int) -> None:
+        self.cache = _growing_cache(self.backend.model, columns)
 
-    def _shared_length(self, prompts: list[list[int]]) -> int:
-        """Tokens every prompt starts with, leaving each at least one of its own; 0 when under the threshold."""
-        if len(prompts) < 2 or not self.shared_prefix_tokens:
-            return 0
-        first, n = prompts[0], min(len(p) for p in prompts) - 1
-        for p in prompts[1:]:
-            n = common_prefix_length(first, p, n)
-        return n if n >= self.shared_prefix_tokens else 0
+    def select_rows(self, index: torch.Tensor) -> None:
+        self.cache.batch_select_indices(index.to(self.backend.device))
 
-    def extend(self, keep: list[int], next_ids: list[int]) -> torch.Tensor:
-        """Keep rows `keep` (indices into the current rows, in order), append `next_ids[k]` to row keep[k];
-        logits [len(keep), V] at the appended tokens."""
-        if len(keep) < self.mask.shape[0]:
-            index = torch.tensor(keep, dtype=torch.int64)
-            self.cache.batch_select_indices(index.to(self.backend.device))
-            self.mask = self.mask[index]
-        self.mask = torch.cat([self.mask, torch.ones((len(keep), 1), dtype=torch.int64)], dim=1)
-        return self._forward(torch.tensor(next_ids, dtype=torch.int64)[:, None])
-
-    def _forward(self, new_ids: torch.Tensor) -> torch.Tensor:
-        """Run `new_ids` [b, n] (the last n columns of self.mask) through the model; logits [b, V] at the last one."""
+    def run(self, ids: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+        """ids [b, n] (the last n columns of `real` [b, S]) through the model; logits [b, V] at the last one."""
         backend, device = self.backend, self.backend.device
-        positions = (self.mask.cumsum(dim=1) - 1).clamp(min=0)[:, -new_ids.shape[1]:]
-        inputs = {"input_ids": new_ids.to(device), "attention_mask": self.mask.to(device),
-                  "position_ids": positions.to(device), self._cache_arg: self.cache, "use_cache": True}
+        inputs = {"input_ids": ids.to(device), "attention_mask": real.long().to(device),
+                  "position_ids": positions(real)[:, -ids.shape[1]:].to(device), self._cache_arg: self.cache,
+                  "use_cache": True}
         if backend._head_only_on_scored:
             out = backend.model.get_decoder()(**inputs)
             logits = backend.model.get_output_embeddings()(out.last_hidden_state[:, -1])
@@ -190,10 +153,6 @@ class _GrowingLayer(DynamicLayer):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         super().batch_select_indices(indices)
         self.room = None  # keys/values are fresh tensors now; the next update moves them into new room
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        super().batch_repeat_interleave(repeats)
-        self.room = None
 
 
 def _growing_cache(model, limit: int) -> DynamicCache | None:
