@@ -464,14 +464,44 @@ def cache_vs_scoring(ckpt_dirs: dict, layouts: list) -> dict:
 def generation_vs_rerun(ckpt_dirs: dict, layouts: list) -> dict:
     """For each variant's checkpoint and each (name, tp, pp): tests/generation_checks.py's greedy generations
     through the backend's KV-cache decoder (Qwen2Cache under nano_eval.decoder's driver) and through the re-run
-    path, with and without a stop sequence that rows hit at different steps: {(variant, layout): its result}."""
+    path, with and without a stop sequence that rows hit at different steps: {(variant, layout): its result}, plus
+    "shared": both paths on prompts with a long common prefix, which the decoder prefills once (`shared_prefix`:
+    the longest prefix a prefill shared)."""
+    from nano_eval.backends.base import evaluation_mode
     from nano_eval.checkpoints.nanotron import load_native
-    from tests.generation_checks import cached_and_rerun
+    from nano_eval.decoder import CacheDecoder
+    from nano_eval.engine import BatchingConfig, Engine
+    from nano_eval.tasks.requests import GreedyUntilRequest
+    from tests.generation_checks import Rerunning, cached_and_rerun
+
+    shared, prefill = [0], CacheDecoder.prefill
+
+    def recorded(self, *args):
+        logits = prefill(self, *args)
+        shared.append(self.shared)
+        return logits
+
+    prompts = ["Question: what is the sum of all the numbers from one to ten? " + tail
+               for tail in ("Answer:", "Think, then answer:", "A")]
+    requests = [GreedyUntilRequest("s", i, 0, p, stop_sequence=[], generation_size=8) for i, p in enumerate(prompts)]
+
+    def generate_shared(backend):
+        engine = Engine(backend, BatchingConfig(max_batch_tokens=400, shared_prefix_tokens=8), progress=False)
+        results = engine.run_greedy(engine.prepare_greedy(requests))
+        return {k: r.tokens for k, r in sorted(results.items())}
 
     out = {}
     for variant, ckpt in ckpt_dirs.items():
         for name, tp, pp in layouts:
             backend = load_native(ckpt, None, tp=tp, pp=pp, dtype="float32", max_length=None)
             block = backend.forward_module.token_position_embeddings  # its module on the input stage only
-            out[(variant, name)] = cached_and_rerun(backend, getattr(block, "pp_block", None))
+            result = out[(variant, name)] = cached_and_rerun(backend, getattr(block, "pp_block", None))
+            shared[:] = [0]
+            CacheDecoder.prefill = recorded
+            try:
+                with evaluation_mode(backend.module):
+                    result["shared"] = {"cached": generate_shared(backend), "rerun": generate_shared(Rerunning(backend)),
+                                        "shared_prefix": max(shared)}
+            finally:
+                CacheDecoder.prefill = prefill
     return out

@@ -125,8 +125,9 @@ def test_qwen2_cache_logits_equal_the_scoring_forward(world):
 
 def test_qwen2_cached_generation_equals_the_rerun_path(world):
     """Greedy generations through the Qwen2 KV cache equal the re-run path's token for token (fp32), with rows of
-    different prompt lengths and (with a stop sequence) rows finishing at different steps; the cache puts each
-    prompt through the embedding once, the re-run path prompt x answer tokens. tp2 (dense, no-RoPE, qkv bias,
+    different prompt lengths and (with a stop sequence) rows finishing at different steps, and on prompts with a
+    common prefix the decoder prefills once (padding in the middle of the rows); the cache puts each prompt through
+    the embedding once, the re-run path prompt x answer tokens. tp2 (dense, no-RoPE, qkv bias,
     sliding window, MoE), tp1 x dp2 (no-RoPE + sliding window), pp2 (no-RoPE), cp2 folded into dp (dense).
     Before: Qwen2 had no decoder (incremental_decoder() was None) and every generation re-ran the prompt."""
     from tests.generation_checks import check_cost
@@ -141,6 +142,8 @@ def test_qwen2_cached_generation_equals_the_rerun_path(world):
             assert gen["decoder"], key
             assert gen["cached"] == gen["rerun"] and gen["cached_stop"] == gen["rerun_stop"], key
             assert not gen["divergences"] and not gen["divergences_stop"], key
+            if "shared" in gen:  # prompts with a common prefix: prefilled once, then each prompt's own suffix
+                assert gen["shared"]["shared_prefix"] >= 8 and gen["shared"]["cached"] == gen["shared"]["rerun"], key
         lengths = {len(tokens) for g in gens for tokens, _, _ in g["cached_stop"].values()}
         assert len(lengths) > 1, (key, lengths)  # rows finished at different steps
         cached, rerun = check_cost(gens)

@@ -27,9 +27,10 @@ while scoring. The evaluation's data-parallel group is dp x cp (`dp_cp_pg`; resu
 `cp_in_dp`), every CP rank scores whole rows of its own, and each forward runs under `LocalAttention.applied()`
 (nano_eval.compat.nanotron): no ring over the CP group, RoPE from position 0, all restored after the forward.
 
-Greedy generation: `incremental_decoder()` decodes from nanotron 0.4's Llama KV cache (its inference `Store` path,
-nano_eval.backends.nanotron_cache), or returns None (the prompt is re-run per token) under tp_mode REDUCE_SCATTER
-and for Qwen2, which has no inference path in nanotron main.
+Greedy generation: `incremental_decoder()` decodes from a KV cache: nanotron 0.4's Llama its own (the inference
+`Store` path, nano_eval.backends.nanotron_cache), nanotron main's Qwen2, which has no inference path, nano_eval's
+(nano_eval.backends.nanotron_qwen2_cache: the model's own modules one step at a time, TP and PP). It returns None
+(the prompt is re-run per token) under tp_mode REDUCE_SCATTER.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ import torch
 import torch.distributed as dist
 
 from nano_eval.backends.base import Batch, note_rerun_generation
+from nano_eval.backends.nanotron_qwen2_cache import Qwen2Cache
+from nano_eval.backends.nanotron_qwen2_cache import unsupported_reason as qwen2_cache_problem
 from nano_eval.compat.nanotron import QWEN2, LocalAttention, import_nanotron, model_family, model_inputs, qwen2_pp_bug
 from nano_eval.errors import NanoEvalError
 from nano_eval.parallel import ParallelLayout
@@ -134,21 +137,31 @@ class NanotronModel:
         sequence_parallel = getattr(getattr(self.forward_module, "tp_mode", None), "name", "") == "REDUCE_SCATTER"
         self.seq_multiple = parallel_context.tp_pg.size() if sequence_parallel else 1
         self.layout = layout_from_parallel_context(parallel_context, first, last, "cuda" if self.device.type == "cuda" else "cpu")
+        # nano_eval's Qwen2 KV cache runs any number of new columns, so generation may prefill a shared prefix once
+        self.shares_prompt_prefix = self.family == QWEN2 and qwen2_cache_problem(self) is None
         # cp > 1: the ring attention is off while scoring (each CP rank scores whole rows as a data-parallel rank)
         self.local_attention = None
         if self.layout.cp_size > 1:
             self.local_attention = LocalAttention(self.forward_module, parallel_context)
 
     def incremental_decoder(self, shared_prefix_tokens: int = 0):
-        """Greedy generation from nanotron 0.4's Llama KV cache (nano_eval.backends.nanotron_cache behind
-        nano_eval.decoder.CacheDecoder; no shared prefix), or None (generation re-runs the prompt for every token)
-        under tp_mode REDUCE_SCATTER or for another model."""
-        from nano_eval.backends.nanotron_cache import StoreCache, unsupported_reason
+        """Greedy generation from a KV cache behind nano_eval.decoder.CacheDecoder: nanotron 0.4's Llama inference
+        Store (nano_eval.backends.nanotron_cache; no shared prefix) or, for nanotron main's Qwen2, which has no
+        inference path, nano_eval's own cache over the model's modules (nano_eval.backends.nanotron_qwen2_cache).
+        None (generation re-runs the prompt for every token) where the cache cannot serve the model exactly, e.g.
+        under tp_mode REDUCE_SCATTER."""
         from nano_eval.decoder import CacheDecoder
 
-        reason = unsupported_reason(self)
-        if reason is None:
-            return CacheDecoder(StoreCache(self), shared_prefix_tokens)
+        if self.family == QWEN2:
+            reason = qwen2_cache_problem(self)
+            if reason is None:
+                return CacheDecoder(Qwen2Cache(self), shared_prefix_tokens)
+        else:
+            from nano_eval.backends.nanotron_cache import StoreCache, unsupported_reason
+
+            reason = unsupported_reason(self)
+            if reason is None:
+                return CacheDecoder(StoreCache(self), shared_prefix_tokens)
         note_rerun_generation(self, reason)
         return None
 
