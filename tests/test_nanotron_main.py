@@ -13,6 +13,10 @@ window, MoE.
   with and without evaluation (dense tp2, no-RoPE dp2; slow: MoE, qkv bias, sliding window, pp2), evaluations at
   steps 2, 3, 4 with main's consumed tokens, live step-3 scores = the step-3 checkpoint's (transformers conversion
   for dense, --backend nanotron for no-RoPE);
+- greedy generation decodes from nano_eval's Qwen2 KV cache (nano_eval.backends.nanotron_qwen2_cache; nanotron
+  main's Qwen2 has none): its logits equal the scoring forward's, its generations the re-run path's token for token,
+  for every variant at tp2, at tp1 x dp2, pp2 (upstream pp fixed) and cp2 folded into dp; refused under
+  REDUCE_SCATTER;
 - `run.py --checkpoint` converts dense Qwen2 to transformers' Llama and no-RoPE / qkv-bias / sliding-window Qwen2
   to transformers' SmolLM3, with the live backend's scores; it refuses MoE by field (no transformers class matches).
 
@@ -312,3 +316,26 @@ def test_backend_nanotron_on_a_qwen2_checkpoint_without_nanotron_main_says_how_t
                  "--output-dir", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "nanotron main's Qwen2" in err[0] and "2411b022" in err[0], err
+
+
+def test_qwen2_generation_reruns_the_prompt_where_the_cache_is_refused(capsys):
+    """Under tp_mode REDUCE_SCATTER (the states between TP ranks are split along the tokens) the backend hands out no
+    Qwen2 decoder, says why once, and does not share prompt prefixes; a Qwen2 without the packed-qkv attention is
+    refused by name."""
+    from types import SimpleNamespace
+
+    from nano_eval.backends.nanotron import NanotronModel
+    from nano_eval.backends.nanotron_qwen2_cache import unsupported_reason
+    from nano_eval.compat.nanotron import QWEN2
+    from nano_eval.parallel import ParallelLayout
+
+    backend = NanotronModel.__new__(NanotronModel)  # the fields incremental_decoder reads, no model
+    backend.family, backend.seq_multiple, backend.layout = QWEN2, 2, ParallelLayout()
+    backend.forward_module = SimpleNamespace(config=SimpleNamespace(_use_qkv_packed=True))
+    assert backend.incremental_decoder() is None
+    err = capsys.readouterr().err
+    assert "without a KV cache (tp_mode REDUCE_SCATTER)" in err, err
+    backend.seq_multiple = 1
+    assert unsupported_reason(backend) is None
+    backend.forward_module.config._use_qkv_packed = False
+    assert "_use_qkv_packed: false" in unsupported_reason(backend)

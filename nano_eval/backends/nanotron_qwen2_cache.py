@@ -27,7 +27,7 @@ no softmax row is empty (its output is never used).
 
 Not used (the prompt is re-run per token; `unsupported_reason` says why): tp_mode REDUCE_SCATTER (the states
 between TP ranks are split along the tokens, which a one-token step cannot split), a model whose attention is not
-the packed qkv path (nanotron main's only working one), RoPE with a key scale (xPos; nanotron never sets one).
+the packed qkv path (nanotron main's only working one).
 Context parallelism needs nothing: the cache never rings, each CP rank decodes its own rows as a data-parallel
 rank (the backend's `dp_cp_pg` layout).
 """
@@ -38,24 +38,17 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from nano_eval.decoder import positions as token_positions
+
 
 def unsupported_reason(backend) -> str | None:
     """Why `backend` (a NanotronModel on nanotron main's Qwen2Model) cannot decode from `Qwen2Cache`; None when it
     can. Depends only on the model's config and layout, so every rank gets the same answer."""
-    config = backend.forward_module.config
     if backend.seq_multiple > 1:
         return "tp_mode REDUCE_SCATTER"
-    if not getattr(config, "_use_qkv_packed", True):
+    if not getattr(backend.forward_module.config, "_use_qkv_packed", True):
         return "the Qwen2 attention is not nanotron's packed-qkv path (_use_qkv_packed: false)"
-    for layer in _own_layers(backend.forward_module):
-        if getattr(layer.attn.rotary_emb, "scale", None) is not None:
-            return "a RoPE with a key scale (scale_base)"
     return None
-
-
-def _own_layers(model) -> list:
-    """The Qwen2DecoderLayers built on this rank's pipeline stage."""
-    return [block.pp_block for block in model.decoder if hasattr(block, "pp_block")]
 
 
 class Qwen2Cache:
@@ -106,7 +99,7 @@ class Qwen2Cache:
         if self.length == 0:
             self._make(b)
         real = real.to(self.device)
-        positions = (real.long().cumsum(1) - 1).clamp(min=0)  # RoPE position of each column: real tokens before it
+        positions = token_positions(real)  # RoPE position of each column: the real tokens before it
         masks = self._masks(real, positions, n)
         new_positions = positions[:, -n:].reshape(-1).to(torch.int32)
         p2p, holder, states, logits = self.model.p2p, self.blocks[0][1].rank, None, None
