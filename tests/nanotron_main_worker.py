@@ -248,6 +248,9 @@ def main_world(rank, world, root: str, tokenizer_dir: str, slow: bool) -> dict:
     out["generation"] = generation_vs_rerun({v: ckpts[v] for v in ("dense", "nope", "bias", "swa", "moe")},
                                             [("tp2", 2, 1)])
     out["generation"] |= generation_vs_rerun({"nope_swa": ckpts["nope_swa"]}, [("tp1xdp2", 1, 1)])
+    bf16 = {v: ckpts[v] for v in ("dense", "moe")}
+    out["cache"] |= cache_vs_scoring(bf16, [("tp2-bf16", 2, 1, "bfloat16")])
+    out["generation"] |= generation_vs_rerun(bf16, [("tp2-bf16", 2, 1, "bfloat16")])
     times["cache"] = time.monotonic() - start
     out["cp2"] = cp_folded_into_dp(ckpts["dense"])
     times["cp2"] = time.monotonic() - start
@@ -396,7 +399,7 @@ def train_runs(runs: list[dict]) -> dict:
 
 
 def cache_vs_scoring(ckpt_dirs: dict, layouts: list) -> dict:
-    """For each variant's checkpoint and each (name, tp, pp): nano_eval's Qwen2 KV cache
+    """For each variant's checkpoint and each (name, tp, pp[, dtype]): nano_eval's Qwen2 KV cache
     (nano_eval.backends.nanotron_qwen2_cache) driven through the KVCache protocol by hand, against the backend's
     scoring forward (the re-run path's forward) on the same tokens. Prompts of 3, 9, 6 and 1 tokens, left-padded;
     three one-token steps; rows selected (one dropped, one repeated, the order changed); then a 3-column extend
@@ -416,8 +419,8 @@ def cache_vs_scoring(ckpt_dirs: dict, layouts: list) -> dict:
 
     out = {}
     for variant, ckpt in ckpt_dirs.items():
-        for name, tp, pp in layouts:
-            backend = load_native(ckpt, None, tp=tp, pp=pp, dtype="float32", max_length=None)
+        for name, tp, pp, *dtype in layouts:
+            backend = load_native(ckpt, None, tp=tp, pp=pp, dtype=(dtype or ["float32"])[0], max_length=None)
             result = out[(variant, name)] = {"reason": unsupported_reason(backend)}
             if result["reason"] is not None:
                 continue
@@ -462,7 +465,7 @@ def cache_vs_scoring(ckpt_dirs: dict, layouts: list) -> dict:
 
 
 def generation_vs_rerun(ckpt_dirs: dict, layouts: list) -> dict:
-    """For each variant's checkpoint and each (name, tp, pp): tests/generation_checks.py's greedy generations
+    """For each variant's checkpoint and each (name, tp, pp[, dtype]): tests/generation_checks.py's greedy generations
     through the backend's KV-cache decoder (Qwen2Cache under nano_eval.decoder's driver) and through the re-run
     path, with and without a stop sequence that rows hit at different steps: {(variant, layout): its result}, plus
     "shared": both paths on prompts with a long common prefix, which the decoder prefills once (`shared_prefix`:
@@ -492,8 +495,8 @@ def generation_vs_rerun(ckpt_dirs: dict, layouts: list) -> dict:
 
     out = {}
     for variant, ckpt in ckpt_dirs.items():
-        for name, tp, pp in layouts:
-            backend = load_native(ckpt, None, tp=tp, pp=pp, dtype="float32", max_length=None)
+        for name, tp, pp, *dtype in layouts:
+            backend = load_native(ckpt, None, tp=tp, pp=pp, dtype=(dtype or ["float32"])[0], max_length=None)
             block = backend.forward_module.token_position_embeddings  # its module on the input stage only
             result = out[(variant, name)] = cached_and_rerun(backend, getattr(block, "pp_block", None))
             shared[:] = [0]

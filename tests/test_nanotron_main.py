@@ -33,6 +33,7 @@ from tests.nanotron_main_cpu import is_main
 
 REQUIRED = os.environ.get("NANO_EVAL_REQUIRE_NANOTRON_MAIN") == "1"
 TOLERANCE = 2e-5  # |logit| <= ~5; padded batch vs one row alone differ by float rounding only
+BF16_TOLERANCE = 0.0625  # two bf16 steps at |logit| in [4, 8)
 
 
 def require_main():
@@ -113,17 +114,20 @@ def test_qwen2_cache_logits_equal_the_scoring_forward(world):
     left-padded prompts of 3, 9, 6 and 1 tokens, one-token steps, rows dropped / repeated / reordered, a
     3-column extend with padding in the middle: the logits at every last column equal the backend's scoring
     forward on the same tokens, for every variant at tp2 (no-RoPE layers, qkv bias, sliding window, both, MoE),
-    at tp1 x dp2 and at pp2 (nanotron's own pp fixed; the cache moves states with the model's P2P)."""
+    at tp1 x dp2 and at pp2 (nanotron's own pp fixed; the cache moves states with the model's P2P); in bf16 (dense,
+    MoE at tp2) within two bf16 steps."""
     _, ranks = world
     keys = {k for r in ranks for k in r["cache"]}
     assert {(v, "tp2") for v in ("dense", "nope", "bias", "swa", "nope_swa", "moe")} | {
-        ("dense", "tp1xdp2"), ("bias", "tp1xdp2"), ("dense", "pp2"), ("nope", "pp2")} <= keys
+        ("dense", "tp1xdp2"), ("bias", "tp1xdp2"), ("dense", "pp2"), ("nope", "pp2"), ("dense", "tp2-bf16"),
+        ("moe", "tp2-bf16")} <= keys
     for key in sorted(keys):
         results = [r["cache"][key] for r in ranks]
         assert all(res["reason"] is None for res in results), (key, results)
         compared = [res for res in results if "max_diff" in res]  # lm_head's stage (both ranks unless pp2)
         assert compared and len(compared) == (1 if key[1] == "pp2" else 2), (key, results)
-        assert all(res["calls"] == 6 and res["max_diff"] < TOLERANCE for res in compared), (key, compared)
+        tolerance = BF16_TOLERANCE if key[1].endswith("bf16") else TOLERANCE
+        assert all(res["calls"] == 6 and res["max_diff"] < tolerance for res in compared), (key, compared)
         print(f"cache {key}: max |logit diff| {max(res['max_diff'] for res in compared):.1e}")
 
 
@@ -132,18 +136,23 @@ def test_qwen2_cached_generation_equals_the_rerun_path(world):
     different prompt lengths and (with a stop sequence) rows finishing at different steps, and on prompts with a
     common prefix the decoder prefills once (padding in the middle of the rows); the cache puts each prompt through
     the embedding once, the re-run path prompt x answer tokens. tp2 (dense, no-RoPE, qkv bias,
-    sliding window, MoE), tp1 x dp2 (no-RoPE + sliding window), pp2 (no-RoPE), cp2 folded into dp (dense).
+    sliding window, MoE), tp1 x dp2 (no-RoPE + sliding window), pp2 (no-RoPE), cp2 folded into dp (dense); in bf16
+    (dense, MoE at tp2) rows may part only at a near-tie (tests/generation_checks.py).
     Before: Qwen2 had no decoder (incremental_decoder() was None) and every generation re-ran the prompt."""
-    from tests.generation_checks import check_cost
+    from tests.generation_checks import assert_equal_up_to_near_ties, check_cost
 
     _, ranks = world
     runs = {k: [r["generation"][k] for r in ranks] for k in ranks[0]["generation"]}
     runs[("dense", "cp2")] = [r["cp2"]["generation"] for r in ranks]
     assert {("dense", "tp2"), ("nope", "tp2"), ("bias", "tp2"), ("swa", "tp2"), ("moe", "tp2"),
-            ("nope_swa", "tp1xdp2"), ("nope", "pp2"), ("dense", "cp2")} <= runs.keys()
+            ("nope_swa", "tp1xdp2"), ("nope", "pp2"), ("dense", "cp2"), ("dense", "tp2-bf16"),
+            ("moe", "tp2-bf16")} <= runs.keys()
     for key, gens in sorted(runs.items()):
         for gen in gens:
             assert gen["decoder"], key
+            if key[1].endswith("bf16"):  # the two paths round differently: rows may part at a near-tie only
+                assert_equal_up_to_near_ties(gen, str(key))
+                continue
             assert gen["cached"] == gen["rerun"] and gen["cached_stop"] == gen["rerun_stop"], key
             assert not gen["divergences"] and not gen["divergences_stop"], key
             if "shared" in gen:  # prompts with a common prefix: prefilled once, then each prompt's own suffix

@@ -20,8 +20,10 @@ Attention reproduces what the training forward gives a row that is its own docum
 layout, nano_eval.backends.nanotron): causal over the row's real tokens, RoPE position of a token = number of real
 tokens before it (`cumsum(real) - 1`), and with `sliding_window_size: w` a token sees itself and the w - 1 real
 tokens before it (flash-attn's window (w - 1, 0); nanotron drops the window in no-RoPE layers, and so do we). It
-runs in torch's scaled_dot_product_attention with a boolean mask, in the model's dtype, grouped-query heads
-repeated to the query heads: the same sums as flash-attn's kernel up to float rounding. Padding (left padding of
+runs in torch's scaled_dot_product_attention with a boolean mask, in fp32 (flash-attn's kernel accumulates in
+fp32 too; the output is cast back to the model's dtype), grouped-query heads repeated to the query heads: the same
+sums as flash-attn's up to float rounding (bf16, CPU: logits within 0.02 of the scoring forward; the model's dtype
+throughout gave 0.13, MoE 0.47 through a routing flip). Padding (left padding of
 prompts, padding in the middle after a shared prefix) is masked out as a key; a padding query sees itself too, so
 no softmax row is empty (its output is never used).
 
@@ -165,12 +167,16 @@ class Qwen2Cache:
         start = self.length
         self.keys[index][:, start:start + n] = kv[:, 0, 0].view(b, n, kv_heads, head_dim)
         self.values[index][:, start:start + n] = kv[:, 0, 1].view(b, n, kv_heads, head_dim)
-        group = heads // kv_heads
-        keys = self.keys[index][:, :start + n].transpose(1, 2).repeat_interleave(group, dim=1)  # [b, heads, S, d]
-        values = self.values[index][:, :start + n].transpose(1, 2).repeat_interleave(group, dim=1)
+        group = heads // kv_heads  # query head h reads kv head h // group, as flash-attn's GQA does
+
+        def heads_first(cache):  # [b, S, kv_heads, d] -> [b, heads, S, d], fp32
+            return cache[:, :start + n].transpose(1, 2).float().repeat_interleave(group, dim=1)
+
         mask = masks[None if no_rope else self.config.sliding_window_size]
-        out = F.scaled_dot_product_attention(q.view(b, n, heads, head_dim).transpose(1, 2), keys, values,
+        out = F.scaled_dot_product_attention(q.view(b, n, heads, head_dim).transpose(1, 2).float(),
+                                             heads_first(self.keys[index]), heads_first(self.values[index]),
                                              attn_mask=mask)  # [b, heads, n, d]; scale head_dim ** -0.5
-        states = attn.o_proj(out.transpose(1, 2).reshape(b * n, heads * head_dim)) + residual
+        out = out.to(qkv.dtype).transpose(1, 2).reshape(b * n, heads * head_dim)
+        states = attn.o_proj(out) + residual
         residual = states
         return layer.mlp(hidden_states=layer.post_attention_layernorm(states))["hidden_states"] + residual
