@@ -503,8 +503,8 @@ def generation_vs_rerun(ckpt_dirs: dict, layouts: list) -> dict:
             CacheDecoder.prefill = recorded
             try:
                 with evaluation_mode(backend.module):
-                    result["shared"] = {"cached": generate_shared(backend), "rerun": generate_shared(Rerunning(backend)),
-                                        "shared_prefix": max(shared)}
+                    cached, rerun = generate_shared(backend), generate_shared(Rerunning(backend))
+                result["shared"] = {"cached": cached, "rerun": rerun, "shared_prefix": max(shared)}
             finally:
                 CacheDecoder.prefill = prefill
     return out

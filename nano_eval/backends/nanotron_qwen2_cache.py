@@ -23,9 +23,14 @@ tokens before it (flash-attn's window (w - 1, 0); nanotron drops the window in n
 runs in torch's scaled_dot_product_attention with a boolean mask, in fp32 (flash-attn's kernel accumulates in
 fp32 too; the output is cast back to the model's dtype), grouped-query heads repeated to the query heads: the same
 sums as flash-attn's up to float rounding (bf16, CPU: logits within 0.02 of the scoring forward; the model's dtype
-throughout gave 0.13, MoE 0.47 through a routing flip). Padding (left padding of
-prompts, padding in the middle after a shared prefix) is masked out as a key; a padding query sees itself too, so
-no softmax row is empty (its output is never used).
+throughout gave 0.13, MoE 0.47 through a routing flip). Padding (left padding of prompts, padding in the middle
+after a shared prefix) is masked out as a key; a padding query sees itself too, so no softmax row is empty (its
+output is never used).
+
+Memory: the cache holds rows x columns (the driver's longest prompt + max_new_tokens) x kv_heads/tp x head_dim keys
+and values per layer of this stage, in the model's dtype; each layer's attention makes transient fp32 copies with
+the query heads' count. The RoPE module's own cos/sin table grows to `columns` positions if it was shorter (as a
+longer training sequence grows it; the values of the shorter table are unchanged, so training is not affected).
 
 Not used (the prompt is re-run per token; `unsupported_reason` says why): tp_mode REDUCE_SCATTER (the states
 between TP ranks are split along the tokens, which a one-token step cannot split), a model whose attention is not
