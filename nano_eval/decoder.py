@@ -7,7 +7,8 @@ shared prefix, which columns are tokens), sizes the cache and drops finished row
 
 - transformers: nano_eval.backends.transformers.TransformersCache (its DynamicCache, grown in place);
 - nanotron 0.4's Llama: nano_eval.backends.nanotron_cache.StoreCache (nanotron's own inference Store);
-- megatron-core: nano_eval.backends.megatron_cache.StaticCache (megatron-core's StaticInferenceContext).
+- megatron-core: nano_eval.backends.megatron_cache.StaticCache (megatron-core's StaticInferenceContext);
+- nanotron main's Qwen2 (no inference path upstream): nano_eval.backends.nanotron_qwen2_cache.Qwen2Cache.
 
 Rows are left-padded, so every row's newest token sits in the last column; `real` [b, S] says which columns hold
 tokens. A row's positions count its real tokens only (as transformers' `generate` does), so each row sees exactly
