@@ -130,6 +130,30 @@ def summarize(backend, include_dir, batch_tokens: int, max_samples: int, specs: 
             for key, tr in results.tasks.items()}
 
 
+def built_alone(include_dir, max_samples: int, specs: str = SPECS) -> dict:
+    """{results key: {doc_id: request strings}} of lm-eval specs built in this process, a world of one, no model:
+    what every rank of every layout must score (few-shot contexts that depend on the data-parallel size are lm-eval
+    issue #1719)."""
+    from nano_eval.tasks import load_tasks
+
+    out = {}
+    for spec, task in load_tasks(specs, lm_eval_include_path=str(include_dir)):
+        built, _ = task.build_requests(spec.num_fewshot, max_samples=max_samples)
+        (leaf,) = built.leaves  # SPECS names tasks, not groups
+        out[spec.key] = {doc_id: [[a for a in inst.args if isinstance(a, str)] for inst in group]
+                         for doc_id, group in leaf.docs}
+    return out
+
+
+def assert_built_alone(summary: dict, alone: dict) -> None:
+    """Every document of `summary` was scored on the request strings a world of one builds (built_alone)."""
+    assert list(summary) == list(alone)
+    for key, rows in ((k, v["rows"]) for k, v in summary.items()):
+        assert {row["doc_index"] for row in rows} == set(alone[key]), key
+        for row in rows:
+            assert row["arguments"] == alone[key][row["doc_index"]], (key, row["doc_index"])
+
+
 def _close_answers(a, b, tol: float) -> bool:
     """One answer of lm-eval's hf model's shape: (log-prob, is_greedy), a rolling log-likelihood (a total over
     hundreds of tokens: compared relative to max(1, |x|)) or a text."""

@@ -261,13 +261,14 @@ def moe_checks(tokenizer_dir, root) -> dict:
 def lm_eval_checks(tokenizer_dir, root: Path) -> dict:
     """tests/lm_eval_layouts.py's lm-eval tasks (few-shot multiple choice, filtered greedy generation, rolling
     perplexity; 7 documents, small batches) on the ep1 dropless reference (dp4) and at ep2 (dp4) built with the
-    training capacity factor, alltoall padded to capacity: scored dropless in lockstep, uneven data-parallel shards
-    made up with dummy batches. Forward counts of the ep2 run; lm-eval's YAMLs written by rank 0 under root."""
+    training capacity factor, alltoall padded to capacity: scored dropless in lockstep over uneven data-parallel
+    shards. Forward counts of the ep2 run; the request strings a world of one builds (`alone`: lm-eval issue #1719);
+    lm-eval's YAMLs written by rank 0 under root."""
     import importlib.util
 
     import torch.distributed as dist
 
-    from tests.lm_eval_layouts import summarize, write_include_dir
+    from tests.lm_eval_layouts import built_alone, summarize, write_include_dir
 
     if importlib.util.find_spec("lm_eval") is None:
         return {"skipped": "lm-evaluation-harness is not installed"}
@@ -283,6 +284,7 @@ def lm_eval_checks(tokenizer_dir, root: Path) -> dict:
     counter.budget = BATCH_TOKENS
     out["ep2"] = summarize(backend, include, BATCH_TOKENS, MAX_SAMPLES)
     out["forwards"], out["lockstep"], out["layout"] = counter.close(), backend.lockstep, backend.layout.describe()
+    out["alone"] = built_alone(include, MAX_SAMPLES)  # the requests as a world of one builds them, without a model
     return out
 
 

@@ -147,7 +147,7 @@ def test_lm_eval_tasks_score_alike_at_ep2_in_lockstep_and_ep1(moe):
     capacity): scored dropless in lockstep over uneven shards, the same request strings
     (few-shot contexts: never the DP size's, lm-eval issue #1719), log-probs within 1e-5, the same generations,
     filtered answers and metrics as the ep1 dropless reference, on every rank."""
-    from tests.lm_eval_layouts import assert_opinionated, assert_same_lm_eval, worst_logprob_gap
+    from tests.lm_eval_layouts import assert_built_alone, assert_opinionated, assert_same_lm_eval, worst_logprob_gap
 
     ranks = moe["lm_eval"]
     if "skipped" in ranks[0]:
@@ -156,6 +156,7 @@ def test_lm_eval_tasks_score_alike_at_ep2_in_lockstep_and_ep1(moe):
     got = _single([r["ep2"] for r in ranks], "lm-eval ep2 scores")
     assert_opinionated(reference)
     assert_same_lm_eval(got, reference, "ep2")
+    assert_built_alone(reference, ranks[0]["alone"])  # dp4's request strings are a world of one's
     assert ranks[0]["lockstep"] and ranks[0]["layout"] == _expected_layout("ep2")
     counts = [r["forwards"] for r in ranks]
     # 7 prompts over dp4 (2, 2, 2, 1): ranks decode different numbers of rows and steps, yet every rank runs the
