@@ -93,6 +93,21 @@ metadata:
   version: 1.0
 """
 
+GROUP = """group: nano_toy_group
+task:
+  - nano_toy_mc
+  - nano_toy_mc_b
+aggregate_metric_list:
+  - metric: acc
+    aggregation: mean
+    weight_by_size: true
+metadata:
+  version: 3.0
+"""
+SAMPLED = GEN.replace("nano_toy_gen", "nano_toy_sampled").replace("do_sample: false", "do_sample: true") \
+    .replace("temperature: 0.0", "temperature: 0.7")
+MCC = "  - metric: mcc\n    aggregation: matthews_corrcoef\n    higher_is_better: true\n"
+
 # the layout tests' tasks: few-shot multiple choice, filtered greedy generation, rolling perplexity
 SPECS = "lm_eval|nano_toy_mc|2,lm_eval|nano_toy_gen|1,lm_eval|nano_toy_ppl|0"
 EXACT = ("acc", "acc_norm", "exact_match")  # counts of right answers: equal, not close
@@ -103,11 +118,16 @@ def write_mc(root: Path, name: str, prompt: str, extra: str = "") -> None:
 
 
 def write_include_dir(root: Path) -> Path:
-    """The three tasks of SPECS as YAMLs in `root` (created); returns it."""
+    """The tests' lm-eval tasks as YAMLs in `root` (created; returns it): the three of SPECS, a second multiple-choice
+    task with Matthews' correlation, a group of the two with `aggregate_metric_list`, and a sampled generation task
+    (which nano_eval refuses). One folder for the whole test session: lm-eval indexes its ~15k tasks (7-9 s) once per
+    process and include path."""
     root.mkdir(parents=True, exist_ok=True)
     write_mc(root, "nano_toy_mc", "Question: {{a}} plus {{b}}\\nAnswer:")
-    (root / "nano_toy_gen.yaml").write_text(GEN)
-    (root / "nano_toy_ppl.yaml").write_text(PPL)
+    write_mc(root, "nano_toy_mc_b", "{{a}} + {{b}} =", extra=MCC)
+    for name, text in (("nano_toy_gen", GEN), ("nano_toy_ppl", PPL), ("nano_toy_group", GROUP),
+                       ("nano_toy_sampled", SAMPLED)):
+        (root / f"{name}.yaml").write_text(text)
     return root
 
 

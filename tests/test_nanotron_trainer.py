@@ -28,7 +28,7 @@ from nano_eval.errors import NanoEvalError  # noqa: E402
 from nano_eval.tracking.jsonl import read_jsonl  # noqa: E402
 from nano_eval.training.nanotron import load_config, parse_eval_section  # noqa: E402
 from tests.lm_eval_layouts import SPECS as LM_EVAL_SPECS  # noqa: E402
-from tests.lm_eval_layouts import assert_same_lm_eval, write_include_dir, worst_logprob_gap  # noqa: E402
+from tests.lm_eval_layouts import assert_same_lm_eval, worst_logprob_gap  # noqa: E402
 from tests.nanotron_worker import write_config  # noqa: E402
 from tests.test_wandb import read_run  # noqa: E402
 
@@ -41,14 +41,11 @@ LAYOUTS = {"tp2": dict(tp=2), "pp2": dict(pp=2), "dp2": dict(dp=2)}
 HAS_LM_EVAL = importlib.util.find_spec("lm_eval") is not None
 
 
-def eval_tasks(tmp: Path) -> tuple[str, list[str]]:
-    """The hook's and run.py's tasks: TASKS, and lm-eval's (their YAMLs written under `tmp`) when it is installed;
-    and the command-line options they need."""
+def eval_tasks(include: Path) -> tuple[str, list[str]]:
+    """The hook's and run.py's tasks: TASKS, and lm-eval's (YAMLs in `include`, conftest.py's lm_eval_include_dir)
+    when it is installed; and the command-line options they need."""
     if not HAS_LM_EVAL:
         return TASKS, []
-    include = tmp / "lm_eval_tasks"
-    if not include.is_dir():
-        write_include_dir(include)
     return f"{TASKS},{LM_EVAL_SPECS}", ["--lm-eval-include-path", str(include)]
 
 
@@ -106,10 +103,10 @@ def torchrun(nproc: int, script: str, *args: str, cwd: Path, timeout: int = 300)
     return log
 
 
-def train(tmp: Path, tokenizer_dir: str, layout: str, with_eval: bool) -> Path:
+def train(tmp: Path, tokenizer_dir: str, layout: str, with_eval: bool, lm_eval_dir: Path) -> Path:
     run = tmp / f"{layout}_{'with' if with_eval else 'without'}_eval"
     run.mkdir()
-    tasks, options = eval_tasks(tmp)
+    tasks, options = eval_tasks(lm_eval_dir)
     section = {"tasks": tasks, "interval": 2, "on_save": True, "max_samples": SAMPLES, "batch_tokens": 512,
                "output_dir": str(run / "eval"), "write_details": True,
                **({"lm_eval_include_path": options[1]} if options else {})} if with_eval else None
@@ -122,14 +119,14 @@ def train(tmp: Path, tokenizer_dir: str, layout: str, with_eval: bool) -> Path:
     return run
 
 
-def runs_for(tmp: Path, tokenizer_dir: str, layout: str) -> dict:
-    return {"layout": layout, "with": train(tmp, tokenizer_dir, layout, True),
-            "without": train(tmp, tokenizer_dir, layout, False)}
+def runs_for(tmp: Path, tokenizer_dir: str, layout: str, lm_eval_dir: Path) -> dict:
+    return {"layout": layout, "lm_eval_dir": lm_eval_dir, "with": train(tmp, tokenizer_dir, layout, True, lm_eval_dir),
+            "without": train(tmp, tokenizer_dir, layout, False, lm_eval_dir)}
 
 
 @pytest.fixture(scope="module")
-def tp2(tmp_path_factory, toy_checkpoint):
-    return runs_for(tmp_path_factory.mktemp("nanotron_trainer"), str(toy_checkpoint), "tp2")
+def tp2(tmp_path_factory, toy_checkpoint, lm_eval_include_dir):
+    return runs_for(tmp_path_factory.mktemp("nanotron_trainer"), str(toy_checkpoint), "tp2", lm_eval_include_dir)
 
 
 def check_training_is_bitwise_identical(runs):
@@ -161,7 +158,7 @@ def live_and_posthoc(runs, native: bool) -> tuple[dict, dict]:
     live = {r["step"]: r["results"] for r in read_jsonl(runs["with"] / "eval" / "eval_results.jsonl")}[SAVE_AT]
     ckpt = runs["with"] / "checkpoints" / str(SAVE_AT)
     out = posthoc_dir(runs, native)
-    tasks, options = eval_tasks(runs["with"].parent)
+    tasks, options = eval_tasks(runs["lm_eval_dir"])
     args = ["--checkpoint", str(ckpt), "--tasks", tasks, "--max-samples", str(SAMPLES), "--output-dir", str(out),
             *options]
     if native:
@@ -228,8 +225,9 @@ def test_live_scores_at_step_k_equal_run_py_on_the_step_k_checkpoint(tp2, native
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["pp2", "dp2"])
-def test_other_layouts_train_evaluate_and_match_their_checkpoint(tmp_path, toy_checkpoint, layout):
-    runs = runs_for(tmp_path, str(toy_checkpoint), layout)
+def test_other_layouts_train_evaluate_and_match_their_checkpoint(tmp_path, toy_checkpoint, lm_eval_include_dir,
+                                                                  layout):
+    runs = runs_for(tmp_path, str(toy_checkpoint), layout, lm_eval_include_dir)
     check_training_is_bitwise_identical(runs)
     check_evaluations_and_wandb_rows(runs)
     for native in (False, True):
