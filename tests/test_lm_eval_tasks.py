@@ -384,3 +384,41 @@ def test_the_training_hook_scores_a_group_and_keeps_its_members(include_dir, toy
     flat = hook.flat_metrics(results)  # stderrs stay out of W&B unless log_stderr
     assert "eval/lm_eval|nano_toy_group|0/acc,none" in flat and "eval/lm_eval|nano_toy_mc|0/acc_norm,none" in flat
     assert not any("_stderr" in key for key in flat)
+
+
+def test_the_layout_comparison_catches_each_kind_of_difference():
+    """tests/lm_eval_layouts.py's assert_same_lm_eval, which the framework layout tests use, fails on a context,
+    a log-prob past 1e-5, an is-greedy flag, a generation, a filtered answer, a rolling total or a metric."""
+    import copy
+
+    from tests.lm_eval_layouts import assert_same_lm_eval
+
+    ref = {"lm_eval|mc|2": {"metrics": {"acc,none": 0.5, "acc_norm,none": 0.5},
+                            "rows": [{"doc_index": 0, "filter": "none", "arguments": [["Q: 1+1\nA:", " 2"]],
+                                      "resps": [[(-1.25, True)]], "filtered_resps": [(-1.25, True)]}]},
+           "lm_eval|gen|1": {"metrics": {"exact_match,strict-match": 1.0},
+                             "rows": [{"doc_index": 0, "filter": "strict-match", "arguments": [["Q: 1+1\nA:"]],
+                                       "resps": [[" 2"]], "filtered_resps": ["2"]}]},
+           "lm_eval|ppl|0": {"metrics": {"word_perplexity,none": 12.5},
+                             "rows": [{"doc_index": 0, "filter": "none", "arguments": [["one two three"]],
+                                       "resps": [[-300.0]], "filtered_resps": [-300.0]}]}}
+    assert_same_lm_eval(copy.deepcopy(ref), ref, "itself")
+    near = copy.deepcopy(ref)
+    near["lm_eval|mc|2"]["rows"][0]["resps"] = [[(-1.25 + 5e-6, True)]]
+    near["lm_eval|ppl|0"]["rows"][0]["resps"] = [[-300.0 + 1e-3]]  # rolling totals: relative to max(1, |x|)
+    assert_same_lm_eval(near, ref, "within tolerance")
+    changes = [
+        ("lm_eval|mc|2", lambda r: r["rows"][0].update(arguments=[["Q: 2+2\nA: 4\n\nQ: 1+1\nA:", " 2"]])),
+        ("lm_eval|mc|2", lambda r: r["rows"][0].update(resps=[[(-1.25 + 2e-5, True)]])),
+        ("lm_eval|mc|2", lambda r: r["rows"][0].update(resps=[[(-1.25, False)]])),
+        ("lm_eval|mc|2", lambda r: r["metrics"].update({"acc,none": 0.0})),
+        ("lm_eval|gen|1", lambda r: r["rows"][0].update(resps=[[" 3"]])),
+        ("lm_eval|gen|1", lambda r: r["rows"][0].update(filtered_resps=["[invalid]"])),
+        ("lm_eval|ppl|0", lambda r: r["rows"][0].update(resps=[[-300.01]])),
+        ("lm_eval|ppl|0", lambda r: r["metrics"].update({"word_perplexity,none": 12.5001})),
+    ]
+    for key, change in changes:
+        got = copy.deepcopy(ref)
+        change(got[key])
+        with pytest.raises(AssertionError):
+            assert_same_lm_eval(got, ref, "changed")
