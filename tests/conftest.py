@@ -30,6 +30,15 @@ def toy_backend(toy_checkpoint):
 
 
 @pytest.fixture(scope="session")
+def lm_eval_include_dir(tmp_path_factory):
+    """tests/lm_eval_layouts.py's lm-eval task YAMLs, one folder for the session (lm-eval indexes its catalogue once
+    per process and include path)."""
+    from tests.lm_eval_layouts import write_include_dir
+
+    return write_include_dir(tmp_path_factory.mktemp("lm_eval_tasks"))
+
+
+@pytest.fixture(scope="session")
 def megatron_world(toy_checkpoint, tmp_path_factory):
     """One spawned world of 4 ranks running megatron-core's real GPTModel in the default layouts of
     tests/megatron_worker.py (all_layouts: scores, two torch_dist saves, a legacy one and the example's, a

@@ -253,8 +253,39 @@ def moe_checks(tokenizer_dir, root) -> dict:
     stages = [("reference", lambda: score(moe_backend(tokenizer_dir)))]
     stages += [(f"{name}/{d}", lambda name=name, d=d: layout_scores(tokenizer_dir, name, d)) for name, d in DEFAULT]
     stages += [("restore", lambda: restore_checks(tokenizer_dir)), ("saved", lambda: save_moe_checkpoint(Path(root))),
-               ("native/ep1", lambda: native_scores(tokenizer_dir, Path(root), "ep1"))]
+               ("native/ep1", lambda: native_scores(tokenizer_dir, Path(root), "ep1")),
+               ("lm_eval", lambda: lm_eval_checks(tokenizer_dir, Path(root)))]
     return _timed(stages)
+
+
+def lm_eval_checks(tokenizer_dir, root: Path) -> dict:
+    """tests/lm_eval_layouts.py's lm-eval tasks (few-shot multiple choice, filtered greedy generation, rolling
+    perplexity; 7 documents, small batches) on the ep1 dropless reference (dp4) and at ep2 (dp4) built with the
+    training capacity factor, alltoall padded to capacity: scored dropless in lockstep over uneven data-parallel
+    shards. Forward counts of the ep2 run; the request strings a world of one builds (`alone`: lm-eval issue #1719);
+    lm-eval's YAMLs written by rank 0 under root."""
+    import importlib.util
+
+    import torch.distributed as dist
+
+    from tests.lm_eval_layouts import built_alone, summarize, write_include_dir
+
+    if importlib.util.find_spec("lm_eval") is None:
+        return {"skipped": "lm-evaluation-harness is not installed"}
+    include = root / "lm_eval_tasks"
+    if dist.get_rank() == 0:
+        write_include_dir(include)
+    dist.barrier()
+    out = {"reference": summarize(moe_backend(tokenizer_dir), include, BATCH_TOKENS, MAX_SAMPLES)}
+    tp, pp, ep, cp = LAYOUTS["ep2"]
+    backend = moe_backend(tokenizer_dir, tp, pp, ep, cp, dispatcher="alltoall", capacity=CAPACITY,
+                          pad_to_capacity=True)
+    counter = ForwardCounter(backend)
+    counter.budget = BATCH_TOKENS
+    out["ep2"] = summarize(backend, include, BATCH_TOKENS, MAX_SAMPLES)
+    out["forwards"], out["lockstep"], out["layout"] = counter.close(), backend.lockstep, backend.layout.describe()
+    out["alone"] = built_alone(include, MAX_SAMPLES)  # the requests as a world of one builds them, without a model
+    return out
 
 
 NATIVE = {"ep1": (1, 1, 1), "tp2xep2": (2, 1, 2)}  # layouts `--backend megatron` loads the ep2 save in: (tp, pp, ep)

@@ -96,10 +96,11 @@ def make_checkpoint(rank, world, config_path: str, ckpt_dir: str, seed: int = 0,
 
 
 def evaluate_layouts(rank, world, ckpt_dir: str, layouts: list, tasks: str, batch_tokens: int, max_samples: int,
-                     make_from_config: str | None = None):
+                     make_from_config: str | None = None, lm_eval_dir: str | None = None):
     """For each (name, tp, pp, tp_mode): build the model in that layout (dp = world / (tp x pp)) exactly as
     `run.py --backend nanotron` does, load the checkpoint, evaluate; returns {name: summary}. With
-    `make_from_config`, first write the checkpoint (make_checkpoint, TP1 x DP-world) in this same world."""
+    `make_from_config`, first write the checkpoint (make_checkpoint, TP1 x DP-world) in this same world. With
+    `lm_eval_dir` (tests/lm_eval_layouts.py's YAMLs), fp32 layouts also score its lm-eval tasks (summary "lm_eval")."""
     import torch
     import torch.distributed as dist
     from tests.nanotron_cpu import install
@@ -121,6 +122,10 @@ def evaluate_layouts(rank, world, ckpt_dir: str, layouts: list, tasks: str, batc
             out[name]["real"] = summarize(backend, REAL_TASK, batch_tokens, max_samples, data_dir=REAL_TASK_DATA())
         if not dtype:  # fp32 layouts are compared with transformers to 1e-5, mixed batches included
             out[name]["mixed"] = mixed_batch_scores(backend)
+        if not dtype and lm_eval_dir:
+            from tests.lm_eval_layouts import summarize as lm_eval_summary
+
+            out[name]["lm_eval"] = lm_eval_summary(backend, lm_eval_dir, batch_tokens, max_samples)
         out[name]["logits_width"] = _logits_width(backend)
         out[name]["generation"] = generation_checks(backend)
     return out

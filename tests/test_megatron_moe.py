@@ -7,9 +7,9 @@ documents in small batches, so data-parallel ranks get different numbers of batc
 lockstep a rank would wait in its extra forward's MoE all-to-all until the process group's timeout, and with the
 capacity factor a row's log-probs move by up to 1.5 with the rest of its batch. The default suite's stages (tp2 x ep2
 and cp2 x ep2 with the alltoall dispatcher, the restore checks, `--backend megatron` at ep1) run in the `megatron_world`
-fixture's processes (tests/megatron_moe_worker.py: moe_checks); the slow set's run in `megatron_slow_world`
-(slow_moe_checks: every other layout x dispatcher, the rolling-window task, `--backend megatron` at
-tp2 x ep2, training runs with the hook).
+fixture's processes (tests/megatron_moe_worker.py: moe_checks; also lm-eval tasks at ep1 and ep2); the slow set's
+run in `megatron_slow_world` (slow_moe_checks: every other layout x dispatcher, the rolling-window task,
+`--backend megatron` at tp2 x ep2, training runs with the hook).
 """
 
 import json
@@ -139,6 +139,32 @@ def test_moe_torch_dist_checkpoint_saved(moe):
     assert path == moe["root"] / "moe_ep2" / "iter_0000100"
     assert (path / ".metadata").is_file() and (path / "common.pt").is_file()
     assert (path.parent / "latest_checkpointed_iteration.txt").read_text() == "100"
+
+
+def test_lm_eval_tasks_score_alike_at_ep2_in_lockstep_and_ep1(moe):
+    """lm-eval's few-shot multiple choice, filtered greedy generation (KV cache) and rolling perplexity
+    (tests/lm_eval_layouts.py) on the MoE model at ep2 (dp4; built with capacity factor 1.0, alltoall padded to
+    capacity): scored dropless in lockstep over uneven shards, the same request strings
+    (few-shot contexts: never the DP size's, lm-eval issue #1719), log-probs within 1e-5, the same generations,
+    filtered answers and metrics as the ep1 dropless reference, on every rank."""
+    from tests.lm_eval_layouts import assert_built_alone, assert_opinionated, assert_same_lm_eval, worst_logprob_gap
+
+    ranks = moe["lm_eval"]
+    if "skipped" in ranks[0]:
+        pytest.skip(ranks[0]["skipped"])
+    reference = _single([r["reference"] for r in ranks], "lm-eval reference scores")
+    got = _single([r["ep2"] for r in ranks], "lm-eval ep2 scores")
+    assert_opinionated(reference)
+    assert_same_lm_eval(got, reference, "ep2")
+    assert_built_alone(reference, ranks[0]["alone"])  # dp4's request strings are a world of one's
+    assert ranks[0]["lockstep"] and ranks[0]["layout"] == _expected_layout("ep2")
+    counts = [r["forwards"] for r in ranks]
+    # 7 prompts over dp4 (2, 2, 2, 1): ranks decode different numbers of rows and steps, yet every rank runs the
+    # same forwards (prefills, decoding steps, scoring batches), or one would wait alone in an MoE all-to-all
+    assert len({row["doc_index"] for row in reference["lm_eval|nano_toy_gen|1"]["rows"]}) % 4
+    assert len({c["runs"] for c in counts}) == 1 and len({c["scoring"] for c in counts}) == 1
+    print(f"ep2 lm-eval: log-probs within {worst_logprob_gap(got, reference):.1e} of ep1 dropless; "
+          f"{counts[0]['runs']} forwards per rank; stage {max(r['lm_eval'] for r in moe['seconds']):.0f} s")
 
 
 # ---- the slow set: training with the hook ----------------------------------------------------------------------

@@ -8,14 +8,20 @@ One checkpoint, made by nanotron's own init_model_randomly + save_weights, is sc
   padded, and `mixed_batch_scores` puts rows of 3 to 40 tokens in ONE batch (log-likelihood and generation).
   Before the fix (all-true mask, right padding) every row after a padded one read the wrong attention offsets
   and these comparisons failed.
+The fp32 layouts also score lm-evaluation-harness tasks (tests/lm_eval_layouts.py: few-shot multiple choice, filtered
+greedy generation, rolling perplexity): dp2, pp2 and tp2 here, dp1, tp2 x dp2, tp2 x pp2 and dp4 in the slow set,
+each equal to the transformers conversion (and so to each other), few-shot contexts included.
 """
 
+
+import importlib.util
 
 import pytest
 
 pytest.importorskip("nanotron")
 
 from tests.dist_utils import run_distributed  # noqa: E402
+from tests.lm_eval_layouts import assert_opinionated, assert_same_lm_eval, worst_logprob_gap  # noqa: E402
 from tests.generation_checks import GEN_BATCH_TOKENS, GEN_TOKENS, check_cost, generate, stop_from  # noqa: E402
 from tests.nanotron_worker import VOCAB  # noqa: E402
 from tests.nanotron_worker import evaluate_layouts, mixed_batch_scores, summarize, write_config  # noqa: E402
@@ -23,20 +29,26 @@ from tests.nanotron_worker import evaluate_layouts, mixed_batch_scores, summariz
 TASKS = "demo|arithmetic|0,demo|arithmetic_ppl|0,demo|arithmetic_gen|0"
 EXACT = ("acc", "acc_norm", "acc_norm_token", "acc_norm_pmi", "exact_match", "quasi_exact_match")
 LAYOUTS = [("tp1xdp2", 1, 1, "ALL_REDUCE"), ("tp2-reduce_scatter", 2, 1, "REDUCE_SCATTER"), ("pp2", 1, 2, "ALL_REDUCE")]
-SLOW_LAYOUTS = [("tp2", 2, 1, "ALL_REDUCE"), ("tp2xpp2", 2, 2, "ALL_REDUCE"), ("tp2xpp2-reduce_scatter", 2, 2, "REDUCE_SCATTER"),
+SLOW_LAYOUTS = [("tp2xdp2", 2, 1, "ALL_REDUCE"), ("tp2xpp2", 2, 2, "ALL_REDUCE"), ("tp2xpp2-reduce_scatter", 2, 2, "REDUCE_SCATTER"),
                 ("tp1xdp4", 1, 1, "ALL_REDUCE")]
 BF16_LAYOUT = ("tp2-bf16", 2, 1, "ALL_REDUCE", "bfloat16")  # in the 2-process world, after LAYOUTS
 SAMPLES = 8
 
 
 @pytest.fixture(scope="module")
-def made(tmp_path_factory, toy_checkpoint):
+def lm_eval_dir(lm_eval_include_dir):
+    """tests/lm_eval_layouts.py's lm-eval task YAMLs (None without lm-eval: the layouts then skip those tasks)."""
+    return lm_eval_include_dir if importlib.util.find_spec("lm_eval") is not None else None
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory, toy_checkpoint, lm_eval_dir):
     """The checkpoint (nanotron's init + save_weights) and the 2-process layouts, in ONE spawned world."""
     tmp = tmp_path_factory.mktemp("nanotron_real")
     config = write_config(tmp / "train.yaml", str(toy_checkpoint), tmp,
                           nano_eval={"tasks": TASKS, "interval": 5})  # the section a run with evaluation saves
     ckpt = tmp / "checkpoint"
-    return ckpt, _evaluate(2, ckpt, LAYOUTS + [BF16_LAYOUT], make_from_config=str(config))
+    return ckpt, _evaluate(2, ckpt, LAYOUTS + [BF16_LAYOUT], make_from_config=str(config), lm_eval_dir=lm_eval_dir)
 
 
 @pytest.fixture(scope="module")
@@ -66,9 +78,9 @@ def reference(checkpoint):
     return out
 
 
-def _evaluate(world, checkpoint, layouts, make_from_config=None):
+def _evaluate(world, checkpoint, layouts, make_from_config=None, lm_eval_dir=None):
     per_rank = run_distributed(evaluate_layouts, world, str(checkpoint), layouts, TASKS, 256, SAMPLES, make_from_config,
-                               timeout=900)
+                               lm_eval_dir and str(lm_eval_dir), timeout=900)
     widths = {name: {r[name].pop("logits_width") for r in per_rank} - {None} for name, *_ in layouts}
     generations = {name: [r[name].pop("generation") for r in per_rank] for name, *_ in layouts}  # per-rank counts
     assert all(r == per_rank[0] for r in per_rank), "ranks disagree on the results"
@@ -78,8 +90,27 @@ def _evaluate(world, checkpoint, layouts, make_from_config=None):
     return per_rank[0]
 
 
+@pytest.fixture(scope="module")
+def lm_eval_reference(checkpoint, lm_eval_dir):
+    """tests/lm_eval_layouts.py's lm-eval tasks scored by the transformers backend on the converted checkpoint, in
+    this process (dp1)."""
+    if lm_eval_dir is None:
+        pytest.skip("lm-evaluation-harness is not installed")
+    from transformers import AutoTokenizer
+
+    from nano_eval.backends.transformers import TransformersModel
+    from nano_eval.checkpoints.nanotron import load_nanotron_llama_as_hf, tokenizer_path
+    from tests.lm_eval_layouts import summarize as lm_eval_summary
+
+    backend = TransformersModel(load_nanotron_llama_as_hf(checkpoint),
+                                AutoTokenizer.from_pretrained(tokenizer_path(str(checkpoint), None)))
+    out = lm_eval_summary(backend, lm_eval_dir, 100_000, SAMPLES)
+    assert_opinionated(out)
+    return out
+
+
 def assert_same_scores(got, ref, what):
-    assert set(got) - {"logits_widths", "generation", "real"} == set(ref) - {"generation", "generation_stop"}
+    assert set(got) - {"logits_widths", "generation", "real", "lm_eval"} == set(ref) - {"generation", "generation_stop"}
     mixed, mixed_ref = got["mixed"], ref["mixed"]
     worst = max(abs(a[0] - b[0]) for a, b in zip(mixed["logprobs"], mixed_ref["logprobs"], strict=True))
     assert worst < 1e-5, f"{what}: log-probs of requests batched with others of other lengths differ by {worst:.2e}"
@@ -104,15 +135,31 @@ def test_layout_scores_equal_the_transformers_conversion(layouts, reference, lay
     assert layouts[layout]["logits_widths"] == {VOCAB // tp}  # V/tp logits on the last stage, nothing elsewhere
 
 
+@pytest.mark.parametrize("layout", [name for name, *_ in LAYOUTS])
+def test_lm_eval_tasks_score_like_the_transformers_conversion(layouts, lm_eval_reference, layout):
+    """lm-eval's few-shot multiple choice, filtered greedy generation (KV cache; the re-run path under
+    REDUCE_SCATTER) and rolling perplexity at dp2, tp2 and pp2: the same request strings (few-shot contexts: never
+    the DP size's, lm-eval issue #1719), log-probs within 1e-5, the same generations, filtered answers and metrics as
+    the transformers conversion in one process. The same on every rank (`_evaluate`)."""
+    assert_same_lm_eval(layouts[layout]["lm_eval"], lm_eval_reference, layout)
+    print(f"{layout}: lm-eval log-probs within {worst_logprob_gap(layouts[layout]['lm_eval'], lm_eval_reference):.1e}"
+          " of the transformers conversion")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("world, layouts", [(4, SLOW_LAYOUTS), (8, [("dp2xtp2xpp2", 2, 2, "REDUCE_SCATTER")])],
-                         ids=["4-processes", "8-processes"])
-def test_more_layouts_score_equal_the_transformers_conversion(checkpoint, reference, world, layouts):
-    got = _evaluate(world, checkpoint, layouts)
+@pytest.mark.parametrize("world, layouts", [(1, [("dp1", 1, 1, "ALL_REDUCE")]), (4, SLOW_LAYOUTS),
+                                            (8, [("dp2xtp2xpp2", 2, 2, "REDUCE_SCATTER")])],
+                         ids=["1-process", "4-processes", "8-processes"])
+def test_more_layouts_score_equal_the_transformers_conversion(request, checkpoint, reference, lm_eval_dir, world,
+                                                               layouts):
+    """Also lm-eval's tasks in the worlds of 1 and 4 (dp1, tp2 x dp2, tp2 x pp2, dp4), as in the default layouts."""
+    got = _evaluate(world, checkpoint, layouts, lm_eval_dir=lm_eval_dir if world < 8 else None)
     for name, tp, pp, tp_mode in layouts:
         assert_same_scores(got[name], reference, name)
         assert got[name]["logits_widths"] == {VOCAB // tp}
         _assert_generations(got[name]["generation"], reference, name, tp * pp, tp_mode)
+        if "lm_eval" in got[name]:
+            assert_same_lm_eval(got[name]["lm_eval"], request.getfixturevalue("lm_eval_reference"), name)
 
 
 @pytest.mark.parametrize("layout", [name for name, *_ in LAYOUTS])

@@ -6,9 +6,12 @@ Each layout trains 4 steps twice, with and without the `nano_eval:` section (int
 step 3): the losses nanotron logs to W&B must be bitwise identical; evaluations land at steps 2, 3, 4 in the
 JSONL and in nanotron's own offline W&B run on `iteration_step` with `consumed_tokens`; and the live scores at
 step 3 equal run.py on the step-3 checkpoint, read through the transformers conversion and, under torchrun,
-with `--backend nanotron`.
+with `--backend nanotron`. The evaluations include lm-evaluation-harness tasks (tests/lm_eval_layouts.py: few-shot
+multiple choice, filtered greedy generation, rolling perplexity) when lm-eval is installed; their live step-3
+details (request strings, per-request log-probs, generations) equal run.py's on the checkpoint too.
 """
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -24,6 +27,8 @@ wandb = pytest.importorskip("wandb")
 from nano_eval.errors import NanoEvalError  # noqa: E402
 from nano_eval.tracking.jsonl import read_jsonl  # noqa: E402
 from nano_eval.training.nanotron import load_config, parse_eval_section  # noqa: E402
+from tests.lm_eval_layouts import SPECS as LM_EVAL_SPECS  # noqa: E402
+from tests.lm_eval_layouts import assert_same_lm_eval, worst_logprob_gap  # noqa: E402
 from tests.nanotron_worker import write_config  # noqa: E402
 from tests.test_wandb import read_run  # noqa: E402
 
@@ -33,6 +38,15 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "nanotron_eval.yaml
 TASKS = "demo|arithmetic|0,demo|arithmetic_ppl|0"
 STEPS, SAVE_AT, SEQ, MICRO_BATCH, SAMPLES = 4, 3, 32, 2, 6
 LAYOUTS = {"tp2": dict(tp=2), "pp2": dict(pp=2), "dp2": dict(dp=2)}
+HAS_LM_EVAL = importlib.util.find_spec("lm_eval") is not None
+
+
+def eval_tasks(include: Path) -> tuple[str, list[str]]:
+    """The hook's and run.py's tasks: TASKS, and lm-eval's (YAMLs in `include`, conftest.py's lm_eval_include_dir)
+    when it is installed; and the command-line options they need."""
+    if not HAS_LM_EVAL:
+        return TASKS, []
+    return f"{TASKS},{LM_EVAL_SPECS}", ["--lm-eval-include-path", str(include)]
 
 
 def test_example_yaml_parses_with_nanotrons_parser():
@@ -89,11 +103,13 @@ def torchrun(nproc: int, script: str, *args: str, cwd: Path, timeout: int = 300)
     return log
 
 
-def train(tmp: Path, tokenizer_dir: str, layout: str, with_eval: bool) -> Path:
+def train(tmp: Path, tokenizer_dir: str, layout: str, with_eval: bool, lm_eval_dir: Path) -> Path:
     run = tmp / f"{layout}_{'with' if with_eval else 'without'}_eval"
     run.mkdir()
-    section = {"tasks": TASKS, "interval": 2, "on_save": True, "max_samples": SAMPLES, "batch_tokens": 512,
-               "output_dir": str(run / "eval")} if with_eval else None
+    tasks, options = eval_tasks(lm_eval_dir)
+    section = {"tasks": tasks, "interval": 2, "on_save": True, "max_samples": SAMPLES, "batch_tokens": 512,
+               "output_dir": str(run / "eval"), "write_details": True,
+               **({"lm_eval_include_path": options[1]} if options else {})} if with_eval else None
     config = write_config(run / "train.yaml", tokenizer_dir, run, nano_eval=section, train_steps=STEPS,
                           micro_batch_size=MICRO_BATCH, sequence_length=SEQ, **LAYOUTS[layout])
     text = yaml.safe_load(config.read_text())
@@ -103,14 +119,14 @@ def train(tmp: Path, tokenizer_dir: str, layout: str, with_eval: bool) -> Path:
     return run
 
 
-def runs_for(tmp: Path, tokenizer_dir: str, layout: str) -> dict:
-    return {"layout": layout, "with": train(tmp, tokenizer_dir, layout, True),
-            "without": train(tmp, tokenizer_dir, layout, False)}
+def runs_for(tmp: Path, tokenizer_dir: str, layout: str, lm_eval_dir: Path) -> dict:
+    return {"layout": layout, "lm_eval_dir": lm_eval_dir, "with": train(tmp, tokenizer_dir, layout, True, lm_eval_dir),
+            "without": train(tmp, tokenizer_dir, layout, False, lm_eval_dir)}
 
 
 @pytest.fixture(scope="module")
-def tp2(tmp_path_factory, toy_checkpoint):
-    return runs_for(tmp_path_factory.mktemp("nanotron_trainer"), str(toy_checkpoint), "tp2")
+def tp2(tmp_path_factory, toy_checkpoint, lm_eval_include_dir):
+    return runs_for(tmp_path_factory.mktemp("nanotron_trainer"), str(toy_checkpoint), "tp2", lm_eval_include_dir)
 
 
 def check_training_is_bitwise_identical(runs):
@@ -141,9 +157,10 @@ def live_and_posthoc(runs, native: bool) -> tuple[dict, dict]:
 
     live = {r["step"]: r["results"] for r in read_jsonl(runs["with"] / "eval" / "eval_results.jsonl")}[SAVE_AT]
     ckpt = runs["with"] / "checkpoints" / str(SAVE_AT)
-    out = runs["with"] / ("posthoc_native" if native else "posthoc_hf")
-    args = ["--checkpoint", str(ckpt), "--tasks", TASKS, "--max-samples", str(SAMPLES), "--output-dir", str(out),
-            "--no-details"]
+    out = posthoc_dir(runs, native)
+    tasks, options = eval_tasks(runs["lm_eval_dir"])
+    args = ["--checkpoint", str(ckpt), "--tasks", tasks, "--max-samples", str(SAMPLES), "--output-dir", str(out),
+            *options]
     if native:
         torchrun(2, "nano_eval/run.py", *args, "--backend", "nanotron", "--tp", "2", cwd=runs["with"])
     else:
@@ -151,11 +168,38 @@ def live_and_posthoc(runs, native: bool) -> tuple[dict, dict]:
     return live, json.loads((out / "results.json").read_text())["results"]
 
 
+def posthoc_dir(runs, native: bool) -> Path:
+    return runs["with"] / ("posthoc_native" if native else "posthoc_hf")
+
+
+def lm_eval_details(folder: Path, results: dict) -> dict:
+    """tests/lm_eval_layouts.py's summary of the lm-eval tasks from an output folder's details/ and its results."""
+    from nano_eval.tracking.files import details_file_name
+
+    return {key: {"metrics": {k: v for k, v in results[key].items() if "_stderr" not in k},
+                  "rows": [{k: row[k] for k in ("doc_index", "filter", "arguments", "resps", "filtered_resps")}
+                           for row in read_jsonl(folder / "details" / details_file_name(key))]}
+            for key in results if key.startswith("lm_eval|")}
+
+
+def check_lm_eval_live_equals_posthoc(runs, native: bool, live: dict, saved: dict) -> None:
+    """The lm-eval tasks' live step-SAVE_AT details (the hook's write_details) equal run.py's on the checkpoint, per
+    request: the same request strings (few-shot contexts), log-probs within 1e-5, generations, filtered answers."""
+    if not HAS_LM_EVAL:
+        return
+    got = lm_eval_details(posthoc_dir(runs, native), saved)
+    live_details = lm_eval_details(runs["with"] / "eval" / f"step_{SAVE_AT}", live)
+    assert list(live_details) == [k.strip() for k in LM_EVAL_SPECS.split(",")]
+    assert_same_lm_eval(got, live_details, f"{runs['layout']} run.py vs live")
+    print(f"{runs['layout']} lm-eval live vs {'--backend nanotron' if native else 'HF conversion'}: log-probs within "
+          f"{worst_logprob_gap(got, live_details):.1e}")
+
+
 def check_live_equals_posthoc(live, saved, rel):
     worst = 0.0
     for task, metrics in live.items():
         for name, value in metrics.items():
-            if name.endswith("_stderr"):
+            if "_stderr" in name:  # nano_eval's `acc_stderr`, lm-eval's `acc_stderr,none` (N/A for perplexities)
                 continue
             assert saved[task][name] == pytest.approx(value, rel=rel, abs=1e-9), (task, name)
             worst = max(worst, abs(saved[task][name] - value) / max(abs(value), 1e-12))
@@ -175,18 +219,21 @@ def test_evaluates_at_interval_and_on_save_into_nanotrons_wandb_run(tp2):
 def test_live_scores_at_step_k_equal_run_py_on_the_step_k_checkpoint(tp2, native):
     live, saved = live_and_posthoc(tp2, native)
     worst = check_live_equals_posthoc(live, saved, rel=1e-6)
+    check_lm_eval_live_equals_posthoc(tp2, native, live, saved)
     print(f"tp2 live vs {'--backend nanotron' if native else 'HF conversion'} at step {SAVE_AT}: max rel diff {worst:.1e}")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["pp2", "dp2"])
-def test_other_layouts_train_evaluate_and_match_their_checkpoint(tmp_path, toy_checkpoint, layout):
-    runs = runs_for(tmp_path, str(toy_checkpoint), layout)
+def test_other_layouts_train_evaluate_and_match_their_checkpoint(tmp_path, toy_checkpoint, lm_eval_include_dir,
+                                                                  layout):
+    runs = runs_for(tmp_path, str(toy_checkpoint), layout, lm_eval_include_dir)
     check_training_is_bitwise_identical(runs)
     check_evaluations_and_wandb_rows(runs)
     for native in (False, True):
         live, saved = live_and_posthoc(runs, native)
         worst = check_live_equals_posthoc(live, saved, rel=1e-6)
+        check_lm_eval_live_equals_posthoc(runs, native, live, saved)
         print(f"{layout} live vs {'--backend nanotron' if native else 'HF conversion'} at step {SAVE_AT}: "
               f"max rel diff {worst:.1e}")
 
