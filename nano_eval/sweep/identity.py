@@ -58,7 +58,19 @@ def identity_settings(job: EvalJob, task_keys: list[str], task_versions: dict[st
         "tokenizer": job.load.tokenizer,
         "schema_version": SCHEMA_VERSION,
         **sources,
+        **_bootstrap(job, task_keys),
     }
+
+
+def _bootstrap(job: EvalJob, task_keys: list[str]) -> dict:
+    """{"lm_eval_bootstrap_iters": n} when lm_eval|... tasks have their stderrs bootstrapped n times, n not lm-eval's
+    default; else {}."""
+    from nano_eval.tasks.lm_eval_tasks import BOOTSTRAP_ITERS, SUITE
+
+    iters = job.eval.lm_eval_bootstrap_iters
+    if iters is None or iters == BOOTSTRAP_ITERS or not any(k.startswith(f"{SUITE}|") for k in task_keys):
+        return {}
+    return {"lm_eval_bootstrap_iters": iters}
 
 
 def evaluation_identity(job: EvalJob, task_keys: list[str], task_versions: dict[str, int],

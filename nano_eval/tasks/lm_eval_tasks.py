@@ -14,8 +14,10 @@ As `lm_eval.simple_evaluate` with its defaults: the global `random` is seeded 0,
 spec's tasks load, and the few-shot sampler gets seed 1234 (lm-eval's `--seed` defaults; nano_eval's --seed is for
 its own tasks). Each spec runs as if alone (its random state after loading is kept for building and scoring), and
 the caller's Python, numpy and torch random states are the same afterwards (`preserved_rng`). Bootstrap stderrs
-(lm-eval's `bootstrap_iters=100000`) are computed in this process, never in a process pool (lm-eval's own switch,
-DISABLE_MULTIPROC, set while scoring): the same numbers, no fork inside a training job.
+(lm-eval's `bootstrap_iters`: 100000 by default, EvalConfig.lm_eval_bootstrap_iters / --lm-eval-bootstrap-iters to
+change it, 0 for none; the training hook has its own default, EvalHookConfig's) are computed in this process, never
+in a process pool (lm-eval's own switch, DISABLE_MULTIPROC, set while scoring): the same numbers, no fork inside a
+training job.
 
 A tag (`ai2_arc`) stands for its tasks, one spec each. A group (`mmlu`) is loaded whole (a group may override its
 members' settings); its results hold the group's metrics under the spec's key and each member's under
@@ -62,7 +64,7 @@ LM_EVAL_VERSION = "0.4.13"
 INSTALL = "pip install 'nano_eval[lm-eval]' (lm-eval==0.4.13 and accelerate)"
 # lm_eval.simple_evaluate's defaults
 RANDOM_SEED, NUMPY_SEED, TORCH_SEED, FEWSHOT_SEED = 0, 1234, 1234, 1234
-BOOTSTRAP_ITERS = 100000
+BOOTSTRAP_ITERS = 100000  # lm-eval's default bootstrap_iters
 MAX_GEN_TOKS = 256  # lm-eval's hf model's max_gen_toks
 OUTPUT_TYPES = ("loglikelihood", "multiple_choice", "loglikelihood_rolling", "generate_until")
 FILE_BUILDERS = ("json", "csv", "parquet", "text", "arrow", "pandas")  # dataset_path values that read local files
@@ -324,6 +326,7 @@ class LmEvalBuild:
     num_fewshot: int
     leaves: list[_Leaf]
     random_after_build: RandomStates
+    bootstrap_iters: int | None = None  # None: lm-eval's default (BOOTSTRAP_ITERS)
 
     def __len__(self) -> int:
         return sum(len(leaf.docs) for leaf in self.leaves)
@@ -395,9 +398,14 @@ class LmEvalTask:
     # -- building (once per Evaluator) --
 
     def build_requests(self, num_fewshot: int, *, max_samples: int | None = None, system_prompt: str | None = None,
-                       chat=None) -> tuple[LmEvalBuild, list[Request]]:
+                       chat=None, bootstrap_iters: int | None = None) -> tuple[LmEvalBuild, list[Request]]:
         """lm-eval's requests for the first `max_samples` documents of each task (its --limit), at `num_fewshot`
-        shots (its --num_fewshot), as nano_eval requests keyed `(spec key|task, doc_id, position)`."""
+        shots (its --num_fewshot), as nano_eval requests keyed `(spec key|task, doc_id, position)`.
+        `bootstrap_iters` is kept for scoring (lm-eval's; None: its default)."""
+        if bootstrap_iters is not None and (isinstance(bootstrap_iters, bool) or not isinstance(bootstrap_iters, int)
+                                            or bootstrap_iters < 0):
+            raise NanoEvalError(f"lm-eval bootstrap iterations must be an integer >= 0 (0: no stderrs), got "
+                                f"{bootstrap_iters!r}")
         if chat is not None:
             raise NanoEvalError(f"task {self.name!r}: --use-chat-template is not supported for lm_eval|... tasks yet. "
                                 "Fix: leave --use-chat-template off, or use nano_eval's own tasks")
@@ -430,7 +438,7 @@ class LmEvalTask:
                         requests.append(request)
                 leaves.append(leaf)
             after = RandomStates.now()
-        return LmEvalBuild(num_fewshot, leaves, after), requests
+        return LmEvalBuild(num_fewshot, leaves, after, bootstrap_iters), requests
 
     def _check_fewshot(self, leaf_name: str, task, num_fewshot: int) -> None:
         missing = getattr(task, "_nano_eval_missing_splits", {})
@@ -454,6 +462,7 @@ class LmEvalTask:
         versions: dict[str, Any] = {}
         details: dict[str, list[dict]] = {}
         truncated: dict[str, int] = {}
+        iters = BOOTSTRAP_ITERS if built.bootstrap_iters is None else built.bootstrap_iters
         with _LOCK, preserved_rng(), _no_process_pool():
             built.random_after_build.set()
             for leaf in built.leaves:
@@ -469,7 +478,7 @@ class LmEvalTask:
                         for metric, value in values.items():
                             raw_metrics[(metric, filter_key)].append(value)
                         details[leaf.name].append(_detail_row(doc_id, group, filter_key, values))
-                aggregated, sample_len = _compute_task_aggregations(leaf.task, raw_metrics, BOOTSTRAP_ITERS)
+                aggregated, sample_len = _compute_task_aggregations(leaf.task, raw_metrics, iters)
                 metrics[leaf.name] = {"name": leaf.name, "sample_len": sample_len, **aggregated}
                 versions[leaf.name] = leaf.task.VERSION
             for group in _collect_groups_bottom_up(self._loaded["groups"]):  # members before their group
