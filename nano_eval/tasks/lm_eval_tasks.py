@@ -211,7 +211,7 @@ def _no_process_pool() -> Iterator[None]:
             os.environ["DISABLE_MULTIPROC"] = old
 
 
-MAX_TEMPLATES = 4096  # compiled Jinja templates kept (a task has a handful; lm-eval's whole catalogue ~10k)
+MAX_TEMPLATES = 4096  # compiled Jinja templates kept (a task has a handful; past this, the cache starts over)
 _TEMPLATES: dict[str, Any] = {}
 
 
