@@ -40,6 +40,10 @@ class EvalConfig:
     # Contexts as a conversation rendered by the tokenizer's chat template (instruct models); off for base models.
     use_chat_template: bool = False
     system_prompt: str | None = None  # first thing in every context (the system turn with a chat template)
+    # Bootstrap resamples for the stderrs of lm_eval|... metrics that lm-eval bootstraps (mcc, f1, perplexity,
+    # median; bleu/chrf/ter at most 100, as lm-eval): None = lm-eval's default (100000), 0 = no stderrs (lm-eval's
+    # bootstrap_iters=0). Changes stderrs only, never the metrics themselves.
+    lm_eval_bootstrap_iters: int | None = None
     batching: BatchingConfig = field(default_factory=BatchingConfig)
     progress: bool = True
 
@@ -88,7 +92,8 @@ class Evaluator:
         for spec, task in tasks:
             if getattr(task, "external", False):  # another harness's task (nano_eval.tasks.lm_eval_tasks)
                 docs, requests = task.build_requests(spec.num_fewshot, max_samples=config.max_samples,
-                                                     system_prompt=config.system_prompt, chat=chat)
+                                                     system_prompt=config.system_prompt, chat=chat,
+                                                     bootstrap_iters=config.lm_eval_bootstrap_iters)
             else:
                 docs, requests = build_requests(task, spec.num_fewshot, seed=config.seed,
                                                 max_samples=config.max_samples, system_prompt=config.system_prompt,

@@ -34,6 +34,7 @@ class EvalJob:
         return {
             "tasks": self.tasks,
             "lm_eval_include_path": self.lm_eval_include_path,
+            "lm_eval_bootstrap_iters": self.eval.lm_eval_bootstrap_iters,
             "max_samples": self.eval.max_samples,
             "seed": self.eval.seed,
             "add_bos_token": self.eval.add_bos_token,

@@ -375,3 +375,47 @@ def lock_file(path: str | Path, *, root: str | Path | None = None, blocking: boo
             pass
         raise
     return fd
+
+
+FINGERPRINT_FILES = 20_000  # files a folder fingerprint reads at most
+FINGERPRINT_BYTES = 256 << 20  # bytes it reads at most, all files together
+FINGERPRINT_SKIPPED = ("__pycache__", ".ipynb_checkpoints", ".git")  # folders of caches and tools, never read
+
+
+def folder_fingerprint(root: str | Path, wanted, *, fix: str) -> str:
+    """A hex digest of the relative names and contents of the files under `root` whose name `wanted(name)` accepts:
+    it changes when such a file is added, removed, renamed or edited, and with nothing else. Read by this module's
+    rule: regular files only (a FIFO is refused, never read), each at most TEXT_BYTES, at most FINGERPRINT_FILES
+    files and FINGERPRINT_BYTES in all; a symlink below `root` (file or folder) counts as its target while that
+    stays inside `root` (a folder link is recorded by name and target, its files are read where they lie) and is
+    refused when it leads out. Errors are LocalFileError naming the file, with `fix`."""
+    import hashlib
+
+    root = Path(os.path.realpath(Path(root).expanduser()))
+    entries, total = [], 0
+    for folder, dirs, files in os.walk(root, followlinks=False):
+        dirs[:] = sorted(d for d in dirs if d not in FINGERPRINT_SKIPPED)
+        for name in sorted(dirs):
+            path = Path(folder) / name
+            if os.path.islink(path):
+                target = resolve_inside(path, root, fix)
+                entries.append(f"{path.relative_to(root)} -> {target.relative_to(root)}")
+        for name in sorted(files):
+            if not wanted(name):
+                continue
+            path = Path(folder) / name
+            real = resolve_inside(path, root, fix) if os.path.islink(path) else path
+            if len(entries) >= FINGERPRINT_FILES:
+                raise LocalFileError(root, f"holds more than {FINGERPRINT_FILES} files to fingerprint", fix)
+            try:
+                data = read_bytes(real, TEXT_BYTES, root=root)
+            except FileNotFoundError:  # a dangling link, or removed meanwhile
+                entries.append(f"{path.relative_to(root)} missing")
+                continue
+            except LocalFileError as e:
+                raise LocalFileError(e.path, e.what, fix) from None
+            total += len(data)
+            if total > FINGERPRINT_BYTES:
+                raise LocalFileError(root, f"holds more than {FINGERPRINT_BYTES} bytes of files to fingerprint", fix)
+            entries.append(f"{path.relative_to(root)} {hashlib.sha256(data).hexdigest()}")
+    return hashlib.sha256("\n".join(sorted(entries)).encode("utf-8", "surrogateescape")).hexdigest()[:16]

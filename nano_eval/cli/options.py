@@ -144,6 +144,10 @@ def add_task_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lm-eval-include-path", default=None,
                    help="folder of your own lm-evaluation-harness task YAMLs (its --include_path), for "
                         "lm_eval|<task>|<k> specs")
+    g.add_argument("--lm-eval-bootstrap-iters", type=non_negative_int, default=None,
+                   help="bootstrap resamples for the stderrs of lm_eval|... metrics lm-eval bootstraps (mcc, f1, "
+                        "perplexity; bleu/chrf/ter at most 100), its bootstrap_iters: 100000 can take minutes per "
+                        "metric; 0: no stderrs (default: lm-eval's, 100000)")
     g.add_argument("--max-samples", type=positive_int, default=None,
                    help="evaluate the first K documents of each task (lm-eval's --limit for lm_eval|... tasks; "
                         "default: all)")
@@ -184,6 +188,6 @@ def eval_job(args: argparse.Namespace, tasks: str, *, progress: bool = True) -> 
         details=not args.no_details, load=load_options(args),
         eval=EvalConfig(max_samples=args.max_samples, seed=args.seed, add_bos_token=args.add_bos_token,
                         use_chat_template=args.use_chat_template, system_prompt=args.system_prompt,
-                        batching=batching, progress=progress),
+                        lm_eval_bootstrap_iters=args.lm_eval_bootstrap_iters, batching=batching, progress=progress),
     )
 

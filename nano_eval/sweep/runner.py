@@ -36,7 +36,7 @@ from nano_eval.job import EvalJob, evaluate_checkpoint
 from nano_eval.parallel import any_rank_true
 from nano_eval.sweep.discovery import (Checkpoint, Settler, consumed_tokens, discover, has_marker, is_checkpoint_dir,
                                        missing_parts, select)
-from nano_eval.sweep.identity import evaluation_identity
+from nano_eval.sweep.identity import evaluation_identity, lm_eval_sources
 from nano_eval.sweep.signals import StopFlag
 from nano_eval.tracking.wandb_logger import WandbLogger, metric_key, one_line
 from nano_eval.local_files import printable
@@ -163,6 +163,7 @@ class SweepRunner:
                                 "checkpoints (nanotron <step>/, Megatron iter_*/, HF checkpoint-*/).")
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.is_main = not dist.is_initialized() or dist.get_rank() == 0
+        self.sources = lm_eval_sources(job.lm_eval_include_path)  # the task files as these tasks load them
         self.tasks = load_tasks(job.tasks, custom_tasks=job.custom_tasks, data_dir=job.data_dir,
                                 lm_eval_include_path=job.lm_eval_include_path)
         self.task_keys = [spec.key for spec, _ in self.tasks]
@@ -215,7 +216,8 @@ class SweepRunner:
                 if self.is_main:
                     try:
                         stack.enter_context(OutputLock(self.out))
-                        check_settings(self.out, identity_settings(self.job, self.task_keys, self.versions))
+                        check_settings(self.out, identity_settings(self.job, self.task_keys, self.versions,
+                                                                   self.sources))
                     except OutputBusy as e:
                         error, owner = str(e), (e.owner if self.options.wait else None)
                     except NanoEvalError as e:
@@ -322,7 +324,7 @@ class SweepRunner:
 
     def _work_item(self, ckpt: Checkpoint) -> WorkItem:
         fp = fingerprint(ckpt.path)
-        identity = evaluation_identity(self.job, self.task_keys, self.versions, fp)
+        identity = evaluation_identity(self.job, self.task_keys, self.versions, fp, self.sources)
         tokens = consumed_tokens(ckpt)
         if tokens is None and self.options.tokens_per_step:
             tokens = ckpt.step * self.options.tokens_per_step

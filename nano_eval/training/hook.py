@@ -173,6 +173,7 @@ class EvalHook:
                                             EvalConfig(max_samples=cap, seed=c.seed, add_bos_token=c.add_bos_token,
                                                        use_chat_template=c.use_chat_template,
                                                        system_prompt=c.system_prompt,
+                                                       lm_eval_bootstrap_iters=c.lm_eval_bootstrap_iters,
                                                        batching=batching, progress=c.progress)))
                 specs.append(spec)
             except BadDocumentError as e:  # few-shot documents are checked when the prompts are built
