@@ -18,7 +18,8 @@ from nano_eval.errors import UnsupportedTaskError  # noqa: E402
 from nano_eval.evaluator import EvalConfig, Evaluator  # noqa: E402
 from nano_eval.tasks import load_tasks  # noqa: E402
 from nano_eval.tasks import lm_eval_tasks as lmt  # noqa: E402
-from tests.test_lm_eval_tasks import GEN, LIMIT, MC, _compare_task  # noqa: E402
+from tests.lm_eval_layouts import GEN, MC  # noqa: E402
+from tests.test_lm_eval_tasks import LIMIT, _compare_task  # noqa: E402
 
 # ChatML-like, each turn opened by the toy tokenizer's one special token (so contexts start with it: no BOS added)
 TEMPLATE = ("{% for m in messages %}<|endoftext|>{{ m['role'] }}\n{{ m['content'] }}\n{% endfor %}"
