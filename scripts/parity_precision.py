@@ -81,6 +81,7 @@ metadata:
   version: 1.0
 """
 FLOAT64_TOL = 1e-8
+LL_ABS_TOL, LL_REL_TOL = 1e-4, 1e-6  # scripts/parity_lm_eval.py's: a log-prob agrees within either
 
 
 def variants():
@@ -210,12 +211,12 @@ def _kind(key) -> str:
 
 
 def max_diffs(a: dict, b: dict) -> dict:
-    """{"mc" / "rolling": (max |a - b|, n)} over the keys of `b`."""
+    """{"mc" / "rolling": (max |a - b|, how many are past the parity tolerance)} over the keys of `b`."""
     out: dict = {}
     for key, value in b.items():
-        kind = _kind(key)
+        kind, diff = _kind(key), abs(a[key] - value)
         d, n = out.get(kind, (0.0, 0))
-        out[kind] = (max(d, abs(a[key] - value)), n + 1)
+        out[kind] = (max(d, diff), n + (diff > LL_ABS_TOL and diff > LL_REL_TOL * abs(value)))
     return out
 
 
@@ -279,25 +280,26 @@ def report(by_dtype: dict, float64_tol: float) -> bool:
         kinds = sorted({_kind(k) for k in hf})
         counts = {kind: sum(_kind(k) == kind for k in hf) for kind in kinds}
         print(f"\n{dtype}: max |nano_eval - lm-eval HFLM| per request type "
-              f"({', '.join(f'{k}: {counts[k]} values' for k in kinds)})")
-        header = f"  {'variant':<20}" + "".join(f"{k:>14}" for k in kinds) + f"{'seconds':>10}"
+              f"({', '.join(f'{k}: {counts[k]} values' for k in kinds)}; in brackets: how many are past the parity "
+              f"tolerance, {LL_ABS_TOL:g} absolute and {LL_REL_TOL:g} relative)")
+        header = f"  {'variant':<20}" + "".join(f"{k:>16}" for k in kinds) + f"{'seconds':>10}"
         if exact is not None and dtype != "float64":
             header += "   max |nano_eval - float64| " + " ".join(kinds)
         print(header)
         for name, scores in run["nano"].items():
             diffs = max_diffs(scores, hf)
-            line = f"  {name:<20}" + "".join(f"{diffs[k][0]:>14.2e}" for k in kinds) + \
+            line = f"  {name:<20}" + "".join(f"{f'{diffs[k][0]:.2e} ({diffs[k][1]})':>16}" for k in kinds) + \
                 f"{run['seconds'][name]:>10.1f}"
             if exact is not None and dtype != "float64":
                 err = max_diffs(scores, exact["hf"])
-                line += "   " + " ".join(f"{err[k][0]:.2e}" for k in kinds)
+                line += "   " + " ".join(f"{err[k][0]:.2e} ({err[k][1]})" for k in kinds)
             if dtype == "float64":
                 ok &= all(diffs[k][0] <= float64_tol for k in kinds)
             print(line)
         if exact is not None and dtype != "float64":
             err = max_diffs(hf, exact["hf"])
-            print(f"  {'(lm-eval HFLM itself)':<20}" + " " * 14 * len(kinds) + f"{run['seconds']['hf']:>10.1f}"
-                  "   " + " ".join(f"{err[k][0]:.2e}" for k in kinds))
+            print(f"  {'(lm-eval HFLM itself)':<20}" + " " * 16 * len(kinds) + f"{run['seconds']['hf']:>10.1f}"
+                  "   " + " ".join(f"{err[k][0]:.2e} ({err[k][1]})" for k in kinds))
         if dtype == "float64":
             lls = [abs(v) for v in hf.values()]
             print(f"  (|loglikelihood| up to {max(lls):.1f}; {run['counts']['truncated']} requests cut on the left, "
