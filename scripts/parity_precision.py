@@ -384,8 +384,10 @@ def main(argv=None) -> int:
                                       internals64=not args.float32_internals,
                                       hf_softmax_dtype=args.hf_softmax_dtype)
             del backend
-    header = (f"\nmodel {checkpoint}; tasks {args.tasks} (first {args.limit} docs, 0-shot) + {PPL_TASK} (first "
-              f"{args.ppl_limit} docs at max length {args.ppl_max_length}); HFLM batch_size {args.hf_batch_size}"
+    rolling = f" + {PPL_TASK} (first {args.ppl_limit} docs at max length {args.ppl_max_length})" \
+        if args.ppl_limit else ""
+    header = (f"\nmodel {checkpoint}; tasks {args.tasks} (first {args.limit} docs, 0-shot){rolling}; HFLM batch_size "
+              f"{args.hf_batch_size}"
               f"{', softmax_dtype ' + args.hf_softmax_dtype if args.hf_softmax_dtype else ''}; "
               f"dtypes {args.dtypes}; torch {torch.__version__}, {torch.get_num_threads()} threads, lm-eval "
               f"{lm_eval.__version__}")
