@@ -2,7 +2,9 @@
 
 Under tensor parallelism each TP rank holds logits for its slice of the vocabulary, `[N, V/tp]`. We never gather
 the full vocabulary: the log-sum-exp, the target logit and the argmax are each reduced over the TP group as one
-scalar per scored position. All arithmetic is fp32. With tp=1 the same code runs without collectives.
+scalar per scored position. All arithmetic is fp32, or fp64 for fp64 logits (a float64 model is scored in float64,
+so it can be compared with another implementation to ~1e-10: scripts/parity_precision.py). With tp=1 the same code
+runs without collectives.
 """
 
 from __future__ import annotations
@@ -32,8 +34,13 @@ class VocabShard:
         return cls(start=tp_rank * local_vocab, size=local_vocab, group=tp_group, group_size=tp_size)
 
 
+def _at_least_fp32(logits: torch.Tensor) -> torch.Tensor:
+    """Logits upcast to fp32 (bf16 / fp16), fp64 kept: never rounded down."""
+    return logits if logits.dtype == torch.float64 else logits.float()
+
+
 def _log_normaliser(logits: torch.Tensor, shard: VocabShard) -> tuple[torch.Tensor, torch.Tensor]:
-    """Global max [N] and log-sum-exp [N] of fp32 logits [N, V/tp] over the whole vocabulary."""
+    """Global max [N] and log-sum-exp [N] of fp32 (or fp64) logits [N, V/tp] over the whole vocabulary."""
     global_max = all_reduce(logits.max(dim=-1).values, dist.ReduceOp.MAX, shard.group, shard.group_size)
     sum_exp = (logits - global_max.unsqueeze(-1)).exp().sum(dim=-1)
     sum_exp = all_reduce(sum_exp, dist.ReduceOp.SUM, shard.group, shard.group_size)
@@ -50,7 +57,7 @@ def argmax_tokens(logits: torch.Tensor, shard: VocabShard) -> torch.Tensor:
     A position whose logits hold a NaN or +inf on some TP rank, or are -inf everywhere, has no argmax and gets
     NON_FINITE on every rank: a rank holding NaN enters the MAX reduction with +inf (never with NaN, which reductions
     need not propagate), so every rank sees an infinite maximum. (A -inf logit among finite ones is a masked token.)"""
-    logits = logits.float()
+    logits = _at_least_fp32(logits)
     local_max, local_arg = logits.max(dim=-1)
     local_max = torch.where(logits.isnan().any(dim=-1), torch.inf, local_max)
     global_max = all_reduce(local_max.clone(), dist.ReduceOp.MAX, shard.group, shard.group_size)
@@ -62,10 +69,10 @@ def argmax_tokens(logits: torch.Tensor, shard: VocabShard) -> torch.Tensor:
 def target_logprobs(logits: torch.Tensor, targets: torch.Tensor, shard: VocabShard) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob [N] of each target id and whether it is the greedy (argmax) token [N].
 
-    logits: [N, V/tp] at the scored positions only, any dtype (upcast here); targets: [N] global vocabulary ids.
-    Every rank of the TP group receives the same results.
+    logits: [N, V/tp] at the scored positions only, any dtype (upcast to fp32 here; fp64 stays fp64); targets: [N]
+    global vocabulary ids. Every rank of the TP group receives the same results.
     """
-    logits = logits.float()
+    logits = _at_least_fp32(logits)
     _, log_z = _log_normaliser(logits, shard)
     local_ids = targets - shard.start
     in_shard = (local_ids >= 0) & (local_ids < shard.size)

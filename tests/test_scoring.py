@@ -28,6 +28,18 @@ def test_unsharded_matches_log_softmax():
     assert argmax_tokens(logits, VocabShard(0, V))[3].item() == 10
 
 
+def test_float64_logits_are_scored_in_float64():
+    """A float64 model is scored in float64 (not rounded to float32 first): what lets nano_eval's scores be compared
+    with another implementation's to ~1e-10 (tests/test_parity_float64.py)."""
+    logits, targets = _data()
+    logits = logits.double() + 1e-9 * torch.arange(V, dtype=torch.float64)  # below float32's resolution at ~4
+    lp, greedy = target_logprobs(logits, targets, VocabShard(0, V))
+    ref = torch.log_softmax(logits, -1).gather(-1, targets[:, None]).squeeze(-1)
+    assert lp.dtype == torch.float64
+    torch.testing.assert_close(lp, ref, atol=1e-13, rtol=0)
+    assert argmax_tokens(logits, VocabShard(0, V))[3].item() == 40  # the 1e-9 step breaks the tie in float64 only
+
+
 def _sharded(rank, world):
     logits, targets = _data()
     local = logits.chunk(world, dim=-1)[rank]
