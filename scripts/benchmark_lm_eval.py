@@ -42,44 +42,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO)]
 
-ARITH = REPO / "nano_eval" / "tasks" / "data" / "arithmetic.jsonl"
 GEN_TASK = "nano_bench_gen"
 LL_ABS_TOL, LL_REL_TOL = 1e-4, 1e-6  # scripts/parity_lm_eval.py's
 METRIC_REL_TOL = 1e-6
 TOY_MAX_LENGTH = 1024
-GEN_YAML = f"""task: {GEN_TASK}
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {json.dumps(str(ARITH))}
-output_type: generate_until
-test_split: test
-doc_to_text: "Question: {{{{a}}}} plus {{{{b}}}}\\nAnswer:"
-doc_to_target: "{{{{choices[label]}}}}"
-generation_kwargs:
-  until: ["\\n"]
-  max_gen_toks: 8
-  do_sample: false
-  temperature: 0.0
-filter_list:
-  - name: strict-match
-    filter:
-      - function: regex
-        regex_pattern: "^ ?(\\\\d+)$"
-      - function: take_first
-  - name: flexible-extract
-    filter:
-      - function: regex
-        group_select: -1
-        regex_pattern: "(\\\\d+)"
-      - function: take_first
-metric_list:
-  - metric: exact_match
-    aggregation: mean
-    higher_is_better: true
-metadata:
-  version: 1.0
-"""
 
 
 class InputError(Exception):
@@ -321,12 +287,11 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     from nano_eval.errors import NanoEvalError
+    from nano_eval.tasks import lm_eval_examples as examples
 
     with tempfile.TemporaryDirectory(prefix="benchmark_lm_eval_") as tmp:
         workdir = Path(tmp)
-        include = workdir / "include"
-        include.mkdir()
-        (include / f"{GEN_TASK}.yaml").write_text(GEN_YAML)
+        include = examples.write_include_dir(workdir / "include", examples.generation(GEN_TASK))
         try:
             mirror = data_dir(args)
             checkpoint, backend, hf = load_model(args, workdir)

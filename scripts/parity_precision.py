@@ -60,26 +60,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-PPL_DATA = REPO / "nano_eval" / "tasks" / "data" / "arithmetic_text.jsonl"
 PPL_TASK = "nano_prec_ppl"
 ARC_TASK = "nano_prec_arc_easy"
-PPL_YAML = f"""task: {PPL_TASK}
-dataset_path: json
-dataset_name: null
-dataset_kwargs:
-  data_files:
-    test: {json.dumps(str(PPL_DATA))}
-output_type: loglikelihood_rolling
-test_split: test
-doc_to_text: ""
-doc_to_target: "{{{{text}}}}"
-metric_list:
-  - metric: word_perplexity
-  - metric: byte_perplexity
-  - metric: bits_per_byte
-metadata:
-  version: 1.0
-"""
 FLOAT64_TOL = 1e-8
 LL_ABS_TOL, LL_REL_TOL = 1e-4, 1e-6  # scripts/parity_lm_eval.py's: a log-prob agrees within either
 
@@ -104,8 +86,9 @@ def write_include(folder: Path) -> Path:
     """The rolling task's YAML, and lm-eval's own arc_easy evaluated on its validation split."""
     import lm_eval
 
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / f"{PPL_TASK}.yaml").write_text(PPL_YAML)
+    from nano_eval.tasks import lm_eval_examples as examples
+
+    examples.write_include_dir(folder, examples.rolling_perplexity(PPL_TASK))
     arc = Path(lm_eval.__file__).parent / "tasks" / "arc" / "arc_easy.yaml"
     (folder / f"{ARC_TASK}.yaml").write_text(
         f"include: {json.dumps(str(arc))}\ntask: {ARC_TASK}\ntag: []\ntest_split: null\n")

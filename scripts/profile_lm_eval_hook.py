@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import json
 import os
 import pstats
 import statistics
@@ -44,72 +43,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO)]
 
-ARITH = REPO / "nano_eval" / "tasks" / "data" / "arithmetic.jsonl"
-TEXT = REPO / "nano_eval" / "tasks" / "data" / "arithmetic_text.jsonl"
-MC = """task: {name}
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    validation: {arith}
-output_type: multiple_choice
-validation_split: validation
-doc_to_text: "Question: {{{{a}}}} plus {{{{b}}}}\\nAnswer:"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: label
-metric_list:
-  - metric: acc
-  - metric: acc_norm
-{extra}metadata:
-  version: 1.0
-"""
-GEN = f"""task: prof_gen
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {json.dumps(str(ARITH))}
-output_type: generate_until
-test_split: test
-doc_to_text: "Question: {{{{a}}}} plus {{{{b}}}}\\nAnswer:"
-doc_to_target: "{{{{choices[label]}}}}"
-generation_kwargs:
-  until: ["\\n"]
-  max_gen_toks: 8
-  do_sample: false
-filter_list:
-  - name: strict-match
-    filter:
-      - function: regex
-        regex_pattern: "^ ?(\\\\d+)$"
-      - function: take_first
-  - name: flexible-extract
-    filter:
-      - function: regex
-        group_select: -1
-        regex_pattern: "(\\\\d+)"
-      - function: take_first
-metric_list:
-  - metric: exact_match
-    aggregation: mean
-    higher_is_better: true
-metadata:
-  version: 1.0
-"""
-PPL = f"""task: prof_ppl
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {json.dumps(str(TEXT))}
-output_type: loglikelihood_rolling
-test_split: test
-doc_to_text: ""
-doc_to_target: "{{{{text}}}}"
-metric_list:
-  - metric: word_perplexity
-  - metric: byte_perplexity
-  - metric: bits_per_byte
-metadata:
-  version: 1.0
-"""
 WATCHED = ("apply", "process_results", "_compute_task_aggregations", "bootstrap_stderr", "deepcopy",
            "_answer", "score", "write_results", "results_document", "run_requests", "aggregate", "apply_template",
            "from_string", "render", "_detail_row", "evaluate", "__call__", "_publish", "append_jsonl", "flat_metrics",
@@ -183,13 +116,12 @@ def main() -> int:
         backend = toy_backend()
         specs = "lm_eval|prof_mc|0,lm_eval|prof_gen|0,lm_eval|prof_ppl|0"
     with tempfile.TemporaryDirectory() as tmp:
-        include = Path(tmp) / "tasks"
-        include.mkdir()
-        mcc = "  - metric: mcc\n    aggregation: matthews_corrcoef\n    higher_is_better: true\n"
-        for name, text in (("prof_mc", MC.format(name="prof_mc", arith=json.dumps(str(ARITH)), extra="")),
-                           ("prof_mcc", MC.format(name="prof_mcc", arith=json.dumps(str(ARITH)), extra=mcc)),
-                           ("prof_gen", GEN), ("prof_ppl", PPL)):
-            (include / f"{name}.yaml").write_text(text)
+        from nano_eval.tasks import lm_eval_examples as examples
+
+        include = examples.write_include_dir(
+            Path(tmp) / "tasks", examples.multiple_choice("prof_mc", few_shot=False),
+            examples.multiple_choice("prof_mcc", few_shot=False, metrics=("acc", "acc_norm", "mcc")),
+            examples.generation("prof_gen"), examples.rolling_perplexity("prof_ppl"))
         if args.bootstrap is not None:
             for iters in (int(v) for v in args.bootstrap.split(",")):
                 hook = make_hook(backend, include, Path(tmp) / f"boot{iters}", "lm_eval|prof_mcc|0", args.limit, iters)

@@ -10,125 +10,27 @@ documents longer than the model (loglikelihood_rolling, several windows). Import
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-ARITH = REPO / "nano_eval" / "tasks" / "data" / "arithmetic.jsonl"
-TEXT = REPO / "nano_eval" / "tasks" / "data" / "arithmetic_text.jsonl"
-
-MC = """task: {name}
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    train: {arith}
-    validation: {arith}
-output_type: multiple_choice
-training_split: train
-validation_split: validation
-doc_to_text: "{prompt}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: label
-metric_list:
-  - metric: acc
-    aggregation: mean
-    higher_is_better: true
-  - metric: acc_norm
-    aggregation: mean
-    higher_is_better: true
-{extra}metadata:
-  version: 1.0
-"""
-GEN = f"""task: nano_toy_gen
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    train: {json.dumps(str(ARITH))}
-    test: {json.dumps(str(ARITH))}
-output_type: generate_until
-training_split: train
-test_split: test
-doc_to_text: "Question: {{{{a}}}} plus {{{{b}}}}\\nAnswer:"
-doc_to_target: "{{{{choices[label]}}}}"
-generation_kwargs:
-  until: ["\\n"]
-  max_gen_toks: 8
-  do_sample: false
-  temperature: 0.0
-filter_list:
-  - name: strict-match
-    filter:
-      - function: regex
-        regex_pattern: "^ ?(\\\\d+)$"
-      - function: take_first
-  - name: flexible-extract
-    filter:
-      - function: regex
-        group_select: -1
-        regex_pattern: "(\\\\d+)"
-      - function: take_first
-metric_list:
-  - metric: exact_match
-    aggregation: mean
-    higher_is_better: true
-    ignore_case: true
-metadata:
-  version: 2.0
-"""
-PPL = f"""task: nano_toy_ppl
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {json.dumps(str(TEXT))}
-output_type: loglikelihood_rolling
-test_split: test
-doc_to_text: ""
-doc_to_target: "{{{{text}}}}"
-metric_list:
-  - metric: word_perplexity
-  - metric: byte_perplexity
-  - metric: bits_per_byte
-metadata:
-  version: 1.0
-"""
-
-GROUP = """group: nano_toy_group
-task:
-  - nano_toy_mc
-  - nano_toy_mc_b
-aggregate_metric_list:
-  - metric: acc
-    aggregation: mean
-    weight_by_size: true
-metadata:
-  version: 3.0
-"""
-SAMPLED = GEN.replace("nano_toy_gen", "nano_toy_sampled").replace("do_sample: false", "do_sample: true") \
-    .replace("temperature: 0.0", "temperature: 0.7")
-MCC = "  - metric: mcc\n    aggregation: matthews_corrcoef\n    higher_is_better: true\n"
+from nano_eval.tasks import lm_eval_examples as examples
 
 # the layout tests' tasks: few-shot multiple choice, filtered greedy generation, rolling perplexity
 SPECS = "lm_eval|nano_toy_mc|2,lm_eval|nano_toy_gen|1,lm_eval|nano_toy_ppl|0"
 EXACT = ("acc", "acc_norm", "exact_match")  # counts of right answers: equal, not close
 
 
-def write_mc(root: Path, name: str, prompt: str, extra: str = "") -> None:
-    (root / f"{name}.yaml").write_text(MC.format(name=name, arith=json.dumps(str(ARITH)), extra=extra, prompt=prompt))
-
-
 def write_include_dir(root: Path) -> Path:
-    """The tests' lm-eval tasks as YAMLs in `root` (created; returns it): the three of SPECS, a second multiple-choice
-    task with Matthews' correlation, a group of the two with `aggregate_metric_list`, and a sampled generation task
-    (which nano_eval refuses). One folder for the whole test session: lm-eval indexes its ~15k tasks (7-9 s) once per
-    process and include path."""
-    root.mkdir(parents=True, exist_ok=True)
-    write_mc(root, "nano_toy_mc", "Question: {{a}} plus {{b}}\\nAnswer:")
-    write_mc(root, "nano_toy_mc_b", "{{a}} + {{b}} =", extra=MCC)
-    for name, text in (("nano_toy_gen", GEN), ("nano_toy_ppl", PPL), ("nano_toy_group", GROUP),
-                       ("nano_toy_sampled", SAMPLED)):
-        (root / f"{name}.yaml").write_text(text)
-    return root
+    """The tests' lm-eval tasks as YAMLs in `root` (created; returns it; nano_eval.tasks.lm_eval_examples): the three
+    of SPECS, a second multiple-choice task with Matthews' correlation, a group of the two with
+    `aggregate_metric_list`, and a sampled generation task (which nano_eval refuses). One folder for the whole test
+    session: lm-eval indexes its ~15k tasks (7-9 s) once per process and include path."""
+    return examples.write_include_dir(
+        root, examples.multiple_choice("nano_toy_mc"),
+        examples.multiple_choice("nano_toy_mc_b", "{{a}} + {{b}} =", metrics=("acc", "acc_norm", "mcc")),
+        examples.generation("nano_toy_gen"), examples.rolling_perplexity("nano_toy_ppl"),
+        examples.group("nano_toy_group", ["nano_toy_mc", "nano_toy_mc_b"]),
+        examples.generation("nano_toy_sampled", do_sample=True, temperature=0.7))
 
 
 def summarize(backend, include_dir, batch_tokens: int, max_samples: int, specs: str = SPECS) -> dict:

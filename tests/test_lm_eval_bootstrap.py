@@ -17,35 +17,19 @@ pytest.importorskip("lm_eval")
 
 from nano_eval.cli import main  # noqa: E402
 from nano_eval.evaluator import EvalConfig, Evaluator  # noqa: E402
+from nano_eval.tasks import lm_eval_examples as examples  # noqa: E402
 from nano_eval.tasks import load_tasks  # noqa: E402
 from nano_eval.tasks import lm_eval_tasks as lmt  # noqa: E402
 
-ARITH = Path(__file__).resolve().parents[1] / "nano_eval" / "tasks" / "data" / "arithmetic.jsonl"
-TASK = f"""task: nano_boot_mcc
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    validation: {json.dumps(str(ARITH))}
-output_type: multiple_choice
-validation_split: validation
-doc_to_text: "{{{{a}}}} plus {{{{b}}}} ="
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: label
-metric_list:
-  - metric: acc
-  - metric: mcc
-    aggregation: matthews_corrcoef
-    higher_is_better: true
-metadata:
-  version: 1.0
-"""
+TASK = examples.multiple_choice("nano_boot_mcc", "{{a}} plus {{b}} =", metrics=("acc", "mcc"),
+                               few_shot=False)
 SPEC = "lm_eval|nano_boot_mcc|0"
 
 
 @pytest.fixture(scope="module")
 def include_dir(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("lm_eval_bootstrap")
-    (root / "nano_boot_mcc.yaml").write_text(TASK)
+    examples.write_include_dir(root, TASK)
     return root
 
 

@@ -7,7 +7,6 @@ and metrics; a template that refuses the system role falls back as HFLM does; a 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,7 @@ from nano_eval.errors import UnsupportedTaskError  # noqa: E402
 from nano_eval.evaluator import EvalConfig, Evaluator  # noqa: E402
 from nano_eval.tasks import load_tasks  # noqa: E402
 from nano_eval.tasks import lm_eval_tasks as lmt  # noqa: E402
-from tests.lm_eval_layouts import GEN, MC  # noqa: E402
+from nano_eval.tasks import lm_eval_examples as examples  # noqa: E402
 from tests.test_lm_eval_tasks import LIMIT, _compare_task  # noqa: E402
 
 # ChatML-like, each turn opened by the toy tokenizer's one special token (so contexts start with it: no BOS added)
@@ -27,17 +26,13 @@ TEMPLATE = ("{% for m in messages %}<|endoftext|>{{ m['role'] }}\n{{ m['content'
 NO_SYSTEM = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
              + TEMPLATE)
 SYSTEM = "Add the two numbers."
-ARITH = Path(__file__).resolve().parents[1] / "nano_eval" / "tasks" / "data" / "arithmetic.jsonl"
 
 
 @pytest.fixture(scope="module")
 def include_dir(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("lm_eval_chat")
-    (root / "nano_toy_mc.yaml").write_text(MC.format(name="nano_toy_mc", arith=json.dumps(str(ARITH)), extra="",
-                                                     prompt="Question: {{a}} plus {{b}}\\nAnswer:"))
-    (root / "nano_toy_gen.yaml").write_text(GEN)
-    (root / "nano_toy_prefix.yaml").write_text(GEN.replace("nano_toy_gen", "nano_toy_prefix")
-                                               + 'gen_prefix: "The sum is"\n')
+    examples.write_include_dir(root, examples.multiple_choice("nano_toy_mc"), examples.generation("nano_toy_gen"),
+                               {**examples.generation("nano_toy_prefix"), "gen_prefix": "The sum is"})
     return root
 
 

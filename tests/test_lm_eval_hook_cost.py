@@ -7,38 +7,23 @@ tests/test_lm_eval_tasks.py compare every request string and metric with lm-eval
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("lm_eval")
 
 from nano_eval.evaluator import EvalConfig, Evaluator  # noqa: E402
+from nano_eval.tasks import lm_eval_examples as examples  # noqa: E402
 from nano_eval.tasks import load_tasks  # noqa: E402
 
-ARITH = Path(__file__).resolve().parents[1] / "nano_eval" / "tasks" / "data" / "arithmetic.jsonl"
-TASK = f"""task: nano_cost_mc
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    validation: {json.dumps(str(ARITH))}
-output_type: multiple_choice
-validation_split: validation
-doc_to_text: "{{{{a}}}} plus {{{{b}}}} ="
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: "{{{{label}}}}"
-metric_list:
-  - metric: acc
-metadata:
-  version: 1.0
-"""
+TASK = examples.multiple_choice("nano_cost_mc", "{{a}} plus {{b}} =", metrics=("acc",), few_shot=False,
+                                doc_to_target="{{label}}")
 
 
 def test_each_template_is_compiled_once_not_per_document_and_evaluation(tmp_path, toy_backend, monkeypatch):
     from lm_eval import utils
 
-    (tmp_path / "nano_cost_mc.yaml").write_text(TASK)
+    examples.write_include_dir(tmp_path, TASK)
     compiled: list[str] = []
     from_string = utils.env.from_string
 

@@ -16,7 +16,6 @@ to a short model length, and rolling perplexity over many windows of 32 tokens.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -24,33 +23,14 @@ import torch
 
 pytest.importorskip("lm_eval")
 
+from nano_eval.tasks import lm_eval_examples as examples  # noqa: E402
 from tests.script_loader import load_script  # noqa: E402
 
 precision = load_script("scripts/parity_precision.py", "nano_eval_parity_precision")
 
-REPO = Path(__file__).resolve().parents[1]
-ARITH = REPO / "nano_eval" / "tasks" / "data" / "arithmetic.jsonl"
 TOL = 1e-9
 MC_TASK = "nano_f64_mc"
-MC = f"""task: {MC_TASK}
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    train: {json.dumps(str(ARITH))}
-    validation: {json.dumps(str(ARITH))}
-output_type: multiple_choice
-training_split: train
-validation_split: validation
-fewshot_config:
-  sampler: first_n
-doc_to_text: "Question: {{{{a}}}} plus {{{{b}}}}\\nAnswer:"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: label
-metric_list:
-  - metric: acc
-metadata:
-  version: 1.0
-"""
+MC = examples.multiple_choice(MC_TASK, metrics=("acc",), fewshot_config={"sampler": "first_n"})
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +45,7 @@ def float64_model(toy_checkpoint):
 @pytest.fixture(scope="module")
 def include(tmp_path_factory) -> Path:
     folder = precision.write_include(tmp_path_factory.mktemp("f64_include"))
-    (folder / f"{MC_TASK}.yaml").write_text(MC)
+    examples.write_include_dir(folder, MC)
     return folder
 
 
