@@ -174,10 +174,6 @@ class Engine:
             rows.append(last_position_row(r.key, tokens[truncated:], truncated, generation))
         return GenerativeTaskDataset(rows)
 
-    def _generation_prefix_tokens(self) -> int:
-        """Shared-prefix threshold for generation batches: the config's, on backends whose decoder shares prefixes."""
-        return self.batching.shared_prefix_tokens if getattr(self.backend, "shares_prompt_prefix", False) else 0
-
     # ---- running -----------------------------------------------------------------------------------------------
 
     def _my_batches(self, dataset: DynamicBatchDataset, desc: str, agreement: Agreement,
@@ -254,7 +250,7 @@ class Engine:
                 break
             sync = Lockstep.of(rows, shape, self.pad_id, self.layout) if shape is not None else None
             local.update(greedy_decode(self.backend, rows, self.pad_id, self.tokens.eos_ids, self._vocab_shard,
-                                       shared_prefix_tokens=self._generation_prefix_tokens(), lockstep=sync,
+                                       shared_prefix_tokens=self.batching.shared_prefix_tokens, lockstep=sync,
                                        agreement=agreement))
         agreement.settle()
         return gather_dicts_over_dp(broadcast_from_output_stage(local, self.layout), self.layout)

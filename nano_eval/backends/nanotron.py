@@ -137,8 +137,6 @@ class NanotronModel:
         sequence_parallel = getattr(getattr(self.forward_module, "tp_mode", None), "name", "") == "REDUCE_SCATTER"
         self.seq_multiple = parallel_context.tp_pg.size() if sequence_parallel else 1
         self.layout = layout_from_parallel_context(parallel_context, first, last, "cuda" if self.device.type == "cuda" else "cpu")
-        # nano_eval's Qwen2 KV cache runs any number of new columns, so generation may prefill a shared prefix once
-        self.shares_prompt_prefix = self.family == QWEN2 and qwen2_cache_problem(self) is None
         # cp > 1: the ring attention is off while scoring (each CP rank scores whole rows as a data-parallel rank)
         self.local_attention = None
         if self.layout.cp_size > 1:
