@@ -98,7 +98,6 @@ class StaticCache:
     def allocate(self, rows: int, columns: int) -> None:
         from megatron.core.inference.contexts import StaticInferenceContext
 
-        self.rows = rows
         self.context = StaticInferenceContext(max_batch_size=rows + (-rows % self.groups),
                                               max_sequence_length=columns)
 
