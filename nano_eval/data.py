@@ -28,17 +28,20 @@ class DynamicBatchDataset:
     def __getitem__(self, i: int):
         return self.sorted_items[i]
 
-    def splits_iterator(self, indices: Sequence[int], max_tokens: int, max_batch_size: int) -> Iterator[list[int]]:
+    def splits_iterator(self, indices: Sequence[int], max_tokens: int, max_batch_size: int,
+                        max_padding: float = 1.0) -> Iterator[list[int]]:
         """Yield batches of sorted positions (taken from `indices`, already longest first) within the budget.
 
-        A batch holds rows while rows x longest_row <= max_tokens (always at least one row).
+        A batch holds rows while rows x longest_row <= max_tokens (always at least one row) and every row is at least
+        (1 - max_padding) x the longest (so right padding is at most that share of the batch's positions).
         """
         batch: list[int] = []
         longest = 0
         for i in indices:
             length = self.length_fn(self.sorted_items[i])
             longest = max(longest, length)
-            if batch and ((len(batch) + 1) * longest > max_tokens or len(batch) >= max_batch_size):
+            if batch and ((len(batch) + 1) * longest > max_tokens or len(batch) >= max_batch_size
+                          or length < (1 - max_padding) * longest):
                 yield batch
                 batch, longest = [], length
             batch.append(i)
@@ -80,12 +83,13 @@ class GenerativeTaskDataset(DynamicBatchDataset):
     def __init__(self, items: Sequence[Row]):
         super().__init__(items, length_fn=lambda row: row.input_len + row.generation.max_new_tokens)
 
-    def splits_iterator(self, indices: Sequence[int], max_tokens: int, max_batch_size: int) -> Iterator[list[int]]:
+    def splits_iterator(self, indices: Sequence[int], max_tokens: int, max_batch_size: int,
+                        max_padding: float = 1.0) -> Iterator[list[int]]:
         groups: dict[tuple, list[int]] = {}
         for i in indices:
             groups.setdefault(self.sorted_items[i].generation, []).append(i)
         for group_indices in groups.values():
-            yield from super().splits_iterator(group_indices, max_tokens, max_batch_size)
+            yield from super().splits_iterator(group_indices, max_tokens, max_batch_size, max_padding)
 
 
 class GenerativeTaskDatasetNanotron(GenerativeTaskDataset):

@@ -7,6 +7,7 @@ Text becomes tokens by one rule, lm-evaluation-harness's (nano_eval.tokenization
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
@@ -43,6 +44,9 @@ class BatchingConfig:
     pack_tokens: int = 256  # also put several short documents in one row, up to this many tokens (0: off)
     shared_prefix_tokens: int = 32  # documents whose contexts share >= this many first tokens share one row (0: off)
     shared_prefix_row_tokens: int = 2048  # longest such row (capped at the model's max length)
+    # scoring batches: a row shorter than (1 - max_padding) x the batch's longest starts a new batch, so right padding
+    # stays under this share of the positions (rows are sorted by length; every backend computes its padding)
+    max_padding: float = 0.25
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,10 @@ class Engine:
             self.pad_id = eos if eos is not None and eos < self.vocab_size else 0  # padding is masked; any id works
         # the model's forward holds collectives across DP ranks (MoE under expert parallelism): nano_eval.lockstep
         self.lockstep = bool(getattr(backend, "lockstep", False)) and self.layout.dp_size > 1
+        # scoring work handed to the model by this rank since the engine was built (count_work): forwards, token
+        # positions (rows x columns of every batch), the padding among them, distinct scored positions (the rows
+        # the output layer projects)
+        self.work: Counter = Counter()
 
     def encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
         """(context tokens, continuation tokens) of a loglikelihood request (Tokenization.pair)."""
@@ -176,8 +184,8 @@ class Engine:
 
     # ---- running -----------------------------------------------------------------------------------------------
 
-    def _my_batches(self, dataset: DynamicBatchDataset, desc: str, agreement: Agreement,
-                    schedule=None) -> Iterator[tuple[list[Row], Any]]:
+    def _my_batches(self, dataset: DynamicBatchDataset, desc: str, agreement: Agreement, schedule=None,
+                    max_padding: float = 1.0) -> Iterator[tuple[list[Row], Any]]:
         """This data-parallel rank's shard of `dataset`, in token-budget batches, with a progress bar on rank 0.
 
         Each comes with None, or under lockstep with its agreed shape from `schedule(batches, layout, max_tokens)`
@@ -188,8 +196,8 @@ class Engine:
         b = self.batching
         with agreement.guard():
             shard = list(GenDistributedSampler(dataset, self.layout.dp_size, self.layout.dp_rank))
-            batches = [[dataset[i] for i in positions]
-                       for positions in dataset.splits_iterator(shard, b.max_batch_tokens, b.max_batch_size)]
+            batches = [[dataset[i] for i in positions] for positions in
+                       dataset.splits_iterator(shard, b.max_batch_tokens, b.max_batch_size, max_padding)]
         if agreement.error is not None and not self.lockstep:
             batches = [[]]  # one empty batch: its meeting stops the replica's other ranks at their first
         planned = [(rows, None) for rows in batches]
@@ -215,7 +223,7 @@ class Engine:
         local: dict = {}
         slotted: dict = {}  # single-token requests: {key: {slot: result}}
         agreement = self._agreement()
-        for rows, shape in self._my_batches(dataset, desc, agreement, scoring_schedule):
+        for rows, shape in self._my_batches(dataset, desc, agreement, scoring_schedule, self.batching.max_padding):
             batch = None
             with agreement.guard():
                 batch = make_batch(rows, self.pad_id, self.packs_rows) if rows else None
@@ -223,6 +231,8 @@ class Engine:
                     batch = padded_batch(batch, *shape, self.pad_id)
             if not agreement.meet():  # every rank that runs this forward goes on, or none
                 break
+            if batch is not None:
+                count_work(self.work, batch)
             logits = self.backend.forward(batch)
             if logits is None or not rows:
                 continue
@@ -254,6 +264,20 @@ class Engine:
                                        agreement=agreement))
         agreement.settle()
         return gather_dicts_over_dp(broadcast_from_output_stage(local, self.layout), self.layout)
+
+
+WORK_COUNTS = ("forwards", "positions", "padding", "output_positions")  # what count_work adds up
+
+
+def count_work(work: Counter, batch) -> None:
+    """Add one forward of `batch` to `work`: its token positions (B x S, what the embedding sees; a backend may
+    add sequence-parallel padding), the padding among them, and its distinct scored positions (single-token choices
+    share their context's last one; every backend projects each through the output layer once)."""
+    rows, columns = batch.input_ids.shape
+    work["forwards"] += 1
+    work["positions"] += rows * columns
+    work["padding"] += rows * columns - int(batch.attention_mask.sum())
+    work["output_positions"] += len(set(zip(batch.rows.tolist(), batch.cols.tolist())))
 
 
 def rolling_windows(tokens: list[int], prefix_id: int, max_len: int) -> Iterator[tuple[list[int], list[int]]]:

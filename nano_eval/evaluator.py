@@ -9,18 +9,18 @@ import math
 import sys
 import time
 import traceback
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
 from nano_eval.agreement import message_of
 from nano_eval.backends.base import Backend, evaluation_mode
-from nano_eval.engine import BatchingConfig, Engine
+from nano_eval.engine import WORK_COUNTS, BatchingConfig, Engine
 from nano_eval.errors import NonFiniteScoreError
 from nano_eval.finite import check_finite
 from nano_eval.generate import GenerationResult
-from nano_eval.parallel import any_rank_true
+from nano_eval.parallel import any_rank_true, sum_over_dp
 from nano_eval.response import ModelResponse
 from nano_eval.tasks import Task, TaskSpec, build_requests
 from nano_eval.tasks.task import TaskResult
@@ -54,6 +54,9 @@ class EvalResults:
     timings: dict[str, float]
     failed: dict[str, str] = field(default_factory=dict)  # task key -> why it failed while being scored
     non_finite: list[str] = field(default_factory=list)  # those of `failed` that got NaN / inf (nano_eval.finite)
+    # scoring work per request type, summed over data-parallel ranks (results.json's "positions"): forwards, token
+    # positions given to the model (rows x columns), the padding among them, positions through the output layer
+    work: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def table(self) -> str:
         """A plain-text results table, one row per task and metric."""
@@ -116,17 +119,21 @@ class Evaluator:
                 return self.engine.prepare_greedy(requests)
         raise ValueError(f"request type {rtype.value} is not supported by nano_eval")
 
-    def run_requests(self) -> tuple[dict, dict[str, float]]:
-        """Raw results of every request, keyed by request key, plus seconds spent per request type."""
-        results, timings = {}, {}
+    def run_requests(self) -> tuple[dict, dict[str, float], dict[str, dict[str, int]]]:
+        """Raw results of every request, keyed by request key, plus seconds spent per request type and the scoring
+        work per request type (nano_eval.engine.count_work, summed over data-parallel ranks)."""
+        results, timings, work = {}, {}, {}
         for rtype, dataset in self.datasets.items():
             start = time.perf_counter()
             if rtype == RequestType.GREEDY_UNTIL:
                 results.update(self.engine.run_greedy(dataset))
             else:
+                before = Counter(self.engine.work)
                 results.update(self.engine.run_loglikelihood(dataset, desc=rtype.value))
+                done = self.engine.work - before
+                work[rtype.value] = sum_over_dp({k: done[k] for k in WORK_COUNTS}, self.backend.layout)
             timings[f"{rtype.value}_s"] = time.perf_counter() - start
-        return results, timings
+        return results, timings, work
 
     def evaluate(self, step: int | None = None) -> EvalResults:
         """Every rank calls it; every rank returns the same results. A fault outside the forwards on any rank raises
@@ -136,7 +143,7 @@ class Evaluator:
         rank) is listed in `non_finite` too and left to the caller to report (one line, exit code 2)."""
         start = time.perf_counter()
         with evaluation_mode(getattr(self.backend, "module", None)):
-            raw, timings = self.run_requests()
+            raw, timings, work = self.run_requests()
         tasks, errors = {}, {}
         for p in self.prepared:  # one task's failure (a metric's bug) never loses the others' scores
             try:
@@ -153,7 +160,7 @@ class Evaluator:
         if self.backend.layout.is_main:
             warn_truncation(tasks, self.backend.max_length)
         timings.update(build_s=self.build_seconds, evaluate_s=time.perf_counter() - start)
-        return EvalResults(tasks=tasks, timings=timings, failed=failed, non_finite=non_finite)
+        return EvalResults(tasks=tasks, timings=timings, failed=failed, non_finite=non_finite, work=work)
 
     def _failed_on_any_rank(self, errors: dict[str, Exception]) -> dict[str, str]:
         """{task key: why} of the tasks whose scoring failed on any rank, the same on every rank (a metric can fail

@@ -92,6 +92,16 @@ def all_reduce(tensor: torch.Tensor, op: dist.ReduceOp, group: Any, size: int) -
     return tensor
 
 
+def sum_over_dp(counts: dict[str, int], layout: ParallelLayout) -> dict[str, int]:
+    """{name: count} summed over the data-parallel ranks (one all-reduce; the same dict on every rank)."""
+    names = sorted(counts)
+    if layout.dp_size == 1 or not names:
+        return {name: counts[name] for name in names}
+    total = torch.tensor([counts[name] for name in names], dtype=torch.int64, device=layout.device)
+    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=layout.dp_group)
+    return dict(zip(names, total.tolist()))
+
+
 def broadcast_from_output_stage(obj: Any, layout: ParallelLayout) -> Any:
     """Send a picklable object from the output pipeline stage to every stage of this pipeline."""
     if layout.pp_size == 1:

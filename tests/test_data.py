@@ -29,6 +29,18 @@ def test_batches_respect_token_budget_and_pad_to_own_longest():
     assert list(ds.splits_iterator(range(8), max_tokens=1000, max_batch_size=3))[0] == [0, 1, 2]
 
 
+def test_max_padding_bounds_each_batchs_right_padding():
+    """Rows shorter than (1 - max_padding) x the batch's longest start a new batch, whatever the token budget."""
+    lengths = [100, 90, 80, 76, 74, 60, 40, 39, 10, 9, 2]
+    ds = LoglikelihoodDataset(_items(lengths))
+    batches = list(ds.splits_iterator(range(len(ds)), max_tokens=10_000, max_batch_size=100, max_padding=0.25))
+    assert [[ds[i].length for i in b] for b in batches] == [[100, 90, 80, 76], [74, 60], [40, 39], [10, 9], [2]]
+    for b in batches:
+        longest = max(ds[i].length for i in b)
+        assert sum(longest - ds[i].length for i in b) <= 0.25 * longest * len(b)
+    assert len(list(ds.splits_iterator(range(len(ds)), max_tokens=10_000, max_batch_size=100))) == 1  # unbounded
+
+
 def test_get_original_order_restores_and_raises_on_missing():
     ds = LoglikelihoodDataset(_items([3, 9, 5]))
     assert ds.get_original_order([_key(ds[i]) for i in range(3)]) == [0, 1, 2]

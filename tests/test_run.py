@@ -58,6 +58,11 @@ def test_results_file_schema_and_table(tmp_path, toy_checkpoint, capsys):
     assert len(_details(out)["demo_arithmetic_0.jsonl"]) == 24
     printed = capsys.readouterr().out
     assert "demo|arithmetic|2" in printed and "acc_norm" in printed
+    work = doc["positions"]  # scoring work per request type: token positions run, padding, output-layer positions
+    assert set(work) == {"loglikelihood", "loglikelihood_rolling"}
+    for counts in work.values():
+        assert set(counts) == {"forwards", "positions", "padding", "output_positions"}
+        assert 0 <= counts["padding"] <= 0.25 * counts["positions"] and 0 < counts["output_positions"]
 
 
 def test_batch_budget_does_not_change_scores(tmp_path, toy_checkpoint):
@@ -76,6 +81,9 @@ def test_two_data_parallel_processes_match_one(tmp_path, toy_checkpoint):
     doc = json.loads((tmp_path / "two" / "results.json").read_text())
     assert doc["layout"]["dp"] == 2
     _assert_same_scores(tmp_path / "one", tmp_path / "two")
+    one = json.loads((tmp_path / "one" / "results.json").read_text())["positions"]
+    for rtype, counts in doc["positions"].items():  # summed over both ranks: at least one rank's share of the work
+        assert counts["output_positions"] >= one[rtype]["output_positions"] and counts["forwards"] >= 2, rtype
 
 
 @pytest.mark.parametrize(

@@ -1,9 +1,12 @@
 """The one results document (results.json) and how it is written, for the CLI, sweeps and the training hook.
 
     {schema_version, nano_eval_version, created, [step, consumed_tokens], [checkpoint], layout, config,
-     task_versions, results, num_docs, skipped_docs, truncated_requests, timings, [failed_tasks], ...extra}
+     task_versions, results, num_docs, skipped_docs, truncated_requests, timings, positions, [failed_tasks],
+     ...extra}
 
-`results` is {task key: {metric: value, metric_stderr: value}}. Written by one rank (global rank 0, or the hook's
+`results` is {task key: {metric: value, metric_stderr: value}}. `positions` is the scoring work per request type,
+summed over data-parallel ranks: {"loglikelihood": {forwards, positions (rows x columns given to the model), padding
+(of those positions), output_positions (projected through the output layer)}}. Written by one rank (global rank 0, or the hook's
 publishing rank): every file to a temporary name first, then renamed into place, results.json last, so a
 results.json that exists belongs to a finished evaluation and a failed write keeps the old one (write_results).
 """
@@ -48,6 +51,7 @@ def results_document(results, *, layout: ParallelLayout, config: Mapping[str, An
         "skipped_docs": {k: tr.skipped_docs for k, tr in tasks.items()},
         "truncated_requests": {k: tr.truncated_requests for k, tr in tasks.items()},
         "timings": results.timings,
+        "positions": getattr(results, "work", {}),
     })
     if getattr(results, "failed", None):
         doc["failed_tasks"] = dict(results.failed)  # task key -> why; these tasks have no scores above

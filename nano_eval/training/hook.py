@@ -30,6 +30,7 @@ import os
 import sys
 import time
 import traceback
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -251,6 +252,7 @@ class EvalHook:
         start = time.perf_counter()
         scored: dict[str, TaskResult] = {}
         timings: dict[str, float] = {}
+        work: dict[str, Counter] = {}
         skipped: list[str] = []
         failed: dict[str, str] = {}
         self._next_task = 0
@@ -270,10 +272,13 @@ class EvalHook:
             for key, value in result.timings.items():
                 if key not in ("build_s", "evaluate_s"):
                     timings[key] = timings.get(key, 0.0) + value
+            for rtype, counts in result.work.items():
+                work.setdefault(rtype, Counter()).update(counts)
         timings.update(build_s=self.build_seconds, evaluate_s=time.perf_counter() - start)
         ordered = {s.key: scored[s.key] for s in self.specs if s.key in scored}
         ordered.update((k, v) for k, v in scored.items() if k not in ordered)  # an lm-eval group's members
         return HookResults(tasks=ordered, timings=timings, failed=failed, step=step, consumed_tokens=consumed_tokens,
+                           work={rtype: dict(counts) for rtype, counts in work.items()},
                            skipped_tasks=skipped)
 
     def _publish(self, results: HookResults, start: float) -> None:
