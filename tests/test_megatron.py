@@ -104,6 +104,26 @@ def test_output_layer_computes_scored_positions_only(request, name):
     assert 0 < scored < full
 
 
+@pytest.mark.parametrize("name", ALL_LAYOUTS)
+def test_packed_rows_score_like_one_row_per_request(request, name):
+    """megatron-core's local attention takes the tree mask (nano_eval.backends.megatron_packed): a document's context
+    once, short documents several to a row, a shared few-shot prefix once, each scored position through the output
+    layer once (tests/packing_checks.py) give the log-probs of one row per request within 1e-5 and the same greedy
+    flags, in every layout (per-row RoPE across pipeline stages, microbatches and sequence parallelism). Without
+    the per-row RoPE positions the same check is 10.7 nats off."""
+    for rank in world_of(request, name)["ranks"]:
+        check = rank[name]["packing"]
+        assert rank[name]["hooks_left_after_packing"] == 0
+        assert check["max_diff"] <= 1e-5 and not check["greedy_mismatches"], check
+        packed, unpacked = check["packed"], check["unpacked"]
+        assert packed["masked_rows"] > 0
+        assert packed["positions"] < unpacked["positions"] / 3
+        assert packed["output_positions"] < unpacked["output_positions"]
+        # the output layer projected each distinct scored position once (last stage; zero elsewhere)
+        for work in (packed, unpacked):
+            assert work["output_layer_rows_here"] in (0, work["output_positions"])
+
+
 # ---- greedy generation from megatron-core's static KV cache ---------------------------------------------------
 
 @pytest.mark.parametrize("name", ALL_LAYOUTS)

@@ -93,6 +93,17 @@ def test_moe_layouts_score_like_ep1_dropless(request, stage):
     check_layout_scores(stages_of(request, stage), stage)
 
 
+@pytest.mark.parametrize("stage", ALL_STAGES)
+def test_packed_rows_score_like_one_row_per_request_in_lockstep(request, stage):
+    """Packed rows (tree mask, shared prefix, several documents per row: tests/packing_checks.py) in every MoE
+    layout, in lockstep under EP (ranks run the same forwards, padded to one agreed shape): log-probs within 1e-5 of
+    one row per request, the same greedy flags."""
+    for r in stages_of(request, stage)[stage]:
+        check = r["packing"]
+        assert check["max_diff"] <= 1e-5 and not check["greedy_mismatches"], (stage, check)
+        assert check["packed"]["masked_rows"] > 0 and check["packed"]["positions"] < check["unpacked"]["positions"]
+
+
 def test_reference_is_dense_path(moe):
     """ep1: the MoE layers' collectives stay inside a replica, so no lockstep; results.json's layout says dropless."""
     ref = moe["reference"][0]

@@ -18,6 +18,11 @@ vocab-sharded logits `[B, S, V/tp]` on the last pipeline stage.
   stage holds the same batch, so the schedule is told the batch's real sequence length (no variable_seq_lengths
   needed); `pad_to_length` fixes it instead.
 Rows are right-padded, so a causal mask alone keeps padding out of every scored position.
+- Packed rows (a document's context once, its continuations beside it; nano_eval.packing): with megatron-core's
+  local core attention the backend declares `supports_packed_rows` and a packed batch goes in with its tree mask
+  `[B, 1, S, S]` and per-row RoPE positions (nano_eval.backends.megatron_packed); otherwise (Transformer Engine,
+  sliding windows, ...) it gets plain right-padded rows. All pipeline stages agree on which when the backend is
+  built. The output layer projects each scored position once (single-token choices share one).
 - Greedy generation: `incremental_decoder()` decodes from megatron-core's static KV cache in the same layout
   (nano_eval.backends.megatron_cache), or returns None where the model cannot (the prompt is then re-run per token).
 - Every forward runs under `ScoringState.applied()` (nano_eval.backends.megatron_scoring): MoE layers route
@@ -38,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from nano_eval.backends.base import Batch, note_rerun_generation
+from nano_eval.backends.megatron_packed import TreeForward, packed_rows_problem, tree_inputs
 from nano_eval.backends.megatron_scoring import ScoringState
 from nano_eval.compat.megatron import call_schedule, layout_from_megatron, unwrap
 from nano_eval.errors import NanoEvalError
@@ -75,13 +81,28 @@ class MegatronModel:
         etp = getattr(self.config, "expert_tensor_parallel_size", None) or self.layout.tp_size
         self.lockstep = self.scoring.moe and etp * self.layout.ep_size > self.layout.tp_size
         self._picks: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, cols) of the forward in flight
+        self._inverse: torch.Tensor | None = None  # scored position k -> its row of the output layer's input
         self._hooked = False
+        # packed rows (tree mask, per-row RoPE) where every stage's chunks take them (one MAX over the pp group)
+        problem = packed_rows_problem(self.chunks)
+        lay = self.layout
+        self.supports_packed_rows = not any_rank_true(problem is not None, lay.pp_group, lay.pp_size, lay.device)
+        self.tree = TreeForward(self.chunks) if self.supports_packed_rows else None
 
     @torch.no_grad()
     def forward(self, batch: Batch) -> torch.Tensor | None:
-        """Logits [N, V/tp] at (batch.rows, batch.cols) on the last stage; None on the other stages."""
-        input_ids = self._padded(batch.input_ids.to(self.device))
-        return self.run(self._inputs(input_ids), batch.rows.to(self.device), batch.cols.to(self.device))
+        """Logits [N, V/tp] at (batch.rows, batch.cols) on the last stage; None on the other stages. A packed
+        batch (position / segment / branch ids set) runs under its tree mask (nano_eval.backends.megatron_packed)."""
+        rows, cols = batch.rows.to(self.device), batch.cols.to(self.device)
+        if batch.position_ids is None:
+            return self.run(self._inputs(self._padded(batch.input_ids.to(self.device))), rows, cols)
+        if self.tree is None:
+            raise NanoEvalError("a packed batch reached a Megatron model that takes no tree mask (nano_eval bug: "
+                                "the engine asks supports_packed_rows first). Fix: report it.")
+        columns = self._columns(batch.input_ids.shape[1])
+        inputs = tuple(t.to(self.device) for t in tree_inputs(batch, columns, self._pad_id))
+        with self.tree.applied():
+            return self.run(inputs, rows, cols)
 
     def incremental_decoder(self, shared_prefix_tokens: int = 0):
         """Greedy generation from megatron-core's static KV cache (nano_eval.backends.megatron_cache behind
@@ -112,10 +133,21 @@ class MegatronModel:
     def _scored(self, chunk, inputs, rows, cols, context=None) -> torch.Tensor:
         """One forward of the last (or only) stage: logits [N, V/tp] at (rows, cols)."""
         self._picks = (rows, cols)
+        self._set_positions(inputs[1])
         output = _call(chunk, inputs, context)
-        if self._hooked:  # [1, N, V/tp]: the output layer already saw the scored positions only
-            return output[0]
-        return output[rows, cols]  # [B, S, V/tp] -> [N, V/tp]
+        return self._at_scored(output, rows, cols, self._inverse)
+
+    def _at_scored(self, output: torch.Tensor, rows, cols, inverse) -> torch.Tensor:
+        """The model's output -> logits [N, V/tp] at (rows, cols): [1, U, V/tp] from the hooked output layer (each
+        scored position once, `inverse` maps them back to the N picks), else [B, S, V/tp]."""
+        if self._hooked:
+            return output[0][inverse]
+        return output[rows, cols]
+
+    def _set_positions(self, position_ids: torch.Tensor) -> None:
+        """The position ids [mb, S] of the chunk call about to run, for the per-row RoPE of a packed forward."""
+        if self.tree is not None and self.tree.active:
+            self.tree.positions = position_ids
 
     @contextmanager
     def _output_layer_on_scored_positions(self):
@@ -133,10 +165,11 @@ class MegatronModel:
                 handle.remove()
             for layer in layers:
                 _restore_sequence_parallel(layer)
-            self._hooked, self._picks = False, None
+            self._hooked, self._picks, self._inverse = False, None, None
 
     def _pick_hidden_states(self, layer, args, kwargs):
-        """output_layer pre-hook: hidden states [S(/tp), B, H] -> [N, 1, H] at the scored (row, col) positions."""
+        """output_layer pre-hook: hidden states [S(/tp), B, H] -> [U, 1, H] at the U distinct scored (row, col)
+        positions (self._inverse maps the N picks to them: single-token choices share their context's last one)."""
         hidden, rows, cols = args[0], *self._picks
         if getattr(layer, "sequence_parallel", False):  # [S/tp, B, H] on each TP rank: gather the sequence first
             from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
@@ -145,16 +178,25 @@ class MegatronModel:
             layer.sequence_parallel, layer._nano_eval_sequence_parallel = False, True  # until this call returns
         if "runtime_gather_output" in kwargs:  # megatron's inference path asks for a full-vocab gather: keep V/tp
             kwargs = {**kwargs, "runtime_gather_output": False}
-        return (hidden[cols, rows].unsqueeze(1), *args[1:]), kwargs
+        flat, self._inverse = torch.unique(cols * hidden.shape[1] + rows, return_inverse=True)
+        return (hidden.flatten(0, 1)[flat].unsqueeze(1), *args[1:]), kwargs
 
     def _padded(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """[B, S] -> [B, S'] with S' = pad_to_length, or S rounded up for sequence parallelism."""
+        """[B, S] -> [B, S'] with S' = self._columns(S)."""
         s = input_ids.shape[1]
+        return F.pad(input_ids, (0, self._columns(s) - s), value=self._pad_id)
+
+    def _columns(self, s: int) -> int:
+        """The columns a batch of S tokens runs with: pad_to_length, or S rounded up for sequence parallelism."""
         target = self.pad_to_length or math.ceil(s / self.seq_multiple) * self.seq_multiple
         if target < s:
             raise NanoEvalError(f"a batch of {s} tokens is longer than pad_to_length={self.pad_to_length}. "
                                 f"Fix: set max_length <= pad_to_length (now {self.max_length}).")
-        return F.pad(input_ids, (0, target - s), value=self.tokenizer.pad_token_id or 0)
+        return target
+
+    @property
+    def _pad_id(self) -> int:
+        return self.tokenizer.pad_token_id or 0
 
     @staticmethod
     def _inputs(input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -183,7 +225,7 @@ class MegatronModel:
         if len(self.chunks) > 1:  # the interleaved schedule wants a multiple of pp microbatches
             n_micro = math.ceil(n_micro / self.layout.pp_size) * self.layout.pp_size
         extra = n_micro * mbs - b
-        input_ids = F.pad(input_ids, (0, 0, 0, extra), value=self.tokenizer.pad_token_id or 0)
+        input_ids = F.pad(input_ids, (0, 0, 0, extra), value=self._pad_id)
         position_ids = F.pad(position_ids, (0, 0, 0, extra))
         if mask.shape[0] > 1:
             mask = F.pad(mask, (0, 0, 0, 0, 0, 0, 0, extra), value=True)
@@ -194,13 +236,15 @@ class MegatronModel:
 
         def forward_step(data_iterator, model):
             m, micro_inputs, r, c = next(data_iterator)
-            self._picks = (r, c)  # read by the output-layer hook, within this call
+            self._picks, self._inverse = (r, c), None  # read by the output-layer hook, within this call
+            self._set_positions(micro_inputs[1])
             if context is not None:
                 context.batch_size_offset = m * mbs  # where this microbatch's rows sit in the KV cache
             output = _call(model, micro_inputs, context)  # logits on the last stage's last chunk, else hidden states
+            inverse = self._inverse
 
             def scored_logits(output_tensor, non_loss_data=False):
-                return output_tensor[0] if self._hooked else output_tensor[r, c]  # [n, V/tp]
+                return self._at_scored(output_tensor, r, c, inverse)  # [n, V/tp]
 
             return output, scored_logits
 
