@@ -193,7 +193,7 @@ def backend_vs_model(ckpt_dirs: dict, layouts: list, score: tuple = ()) -> dict:
 
     from nano_eval.checkpoints.nanotron import load_native
     from nano_eval.errors import NanoEvalError
-    from tests.nanotron_worker import summarize
+    from tests.nanotron_worker import packing_checks, summarize
 
     g = torch.Generator().manual_seed(7)
     tokens = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (3, 20, 11, 7)]
@@ -211,6 +211,7 @@ def backend_vs_model(ckpt_dirs: dict, layouts: list, score: tuple = ()) -> dict:
                                       backend.layout.output_pp_rank, backend.seq_multiple)
             if got is not None:
                 out[(variant, name)] = (got - want).abs().max().item()
+            out[(variant, name, "packing")] = packing_checks(backend)  # packed rows vs one row per request
             if (variant, name) in score:
                 out[(variant, name, "scores")] = summarize(backend, TASKS, 256, 6)
     return out
@@ -297,7 +298,7 @@ def cp_folded_into_dp(ckpt: str) -> dict:
     from nano_eval.checkpoints.nanotron import tokenizer_path
     from nano_eval.training.nanotron import load_config
     from tests.generation_checks import cached_and_rerun
-    from tests.nanotron_worker import summarize
+    from tests.nanotron_worker import packing_checks, summarize
 
     config = load_config(str(Path(ckpt) / "config.yaml")).model.model_config
     config = dataclasses.replace(config, _attn_implementation="llama3_ring_attention", ring_attn_heads_k_stride=1)
@@ -326,6 +327,7 @@ def cp_folded_into_dp(ckpt: str) -> dict:
     with torch.no_grad():
         whole_row = backend.forward(rows_batch(row.tolist()))
     scores = summarize(backend, TASKS, 256, 6)
+    packing = packing_checks(backend)  # packed rows with CP folded into DP
     block = backend.forward_module.token_position_embeddings
     generation = cached_and_rerun(backend, block.pp_block)  # Qwen2Cache with CP folded into DP; never rings
     after = ring_step()
@@ -335,7 +337,7 @@ def cp_folded_into_dp(ckpt: str) -> dict:
             "ring_vs_backend": (whole_row - torch.cat(halves)).abs().max().item(),
             "train_step_unchanged": torch.equal(before[0], after[0])
             and all(torch.equal(a, b) for a, b in zip(before[1], after[1])),
-            "switched_before": state, "switched_after": switched(), "generation": generation}
+            "switched_before": state, "switched_after": switched(), "generation": generation, "packing": packing}
 
 
 EVAL_SECTION = {"tasks": "demo|arithmetic|0,demo|arithmetic_ppl|0", "interval": 2, "on_save": True,

@@ -25,6 +25,7 @@ from tests.lm_eval_layouts import assert_opinionated, assert_same_lm_eval, worst
 from tests.generation_checks import GEN_BATCH_TOKENS, GEN_TOKENS, check_cost, generate, stop_from  # noqa: E402
 from tests.nanotron_worker import VOCAB  # noqa: E402
 from tests.nanotron_worker import evaluate_layouts, mixed_batch_scores, summarize, write_config  # noqa: E402
+from tests.packing_checks import assert_packing_exact  # noqa: E402
 
 TASKS = "demo|arithmetic|0,demo|arithmetic_ppl|0,demo|arithmetic_gen|0"
 EXACT = ("acc", "acc_norm", "acc_norm_token", "acc_norm_pmi", "exact_match", "quasi_exact_match")
@@ -83,10 +84,12 @@ def _evaluate(world, checkpoint, layouts, make_from_config=None, lm_eval_dir=Non
                                lm_eval_dir and str(lm_eval_dir), timeout=900)
     widths = {name: {r[name].pop("logits_width") for r in per_rank} - {None} for name, *_ in layouts}
     generations = {name: [r[name].pop("generation") for r in per_rank] for name, *_ in layouts}  # per-rank counts
+    packing = {name: [r[name].pop("packing") for r in per_rank] for name, *_ in layouts}  # per-rank work
     assert all(r == per_rank[0] for r in per_rank), "ranks disagree on the results"
     for name in widths:
         per_rank[0][name]["logits_widths"] = widths[name]
         per_rank[0][name]["generation"] = generations[name]
+        per_rank[0][name]["packing"] = packing[name]
     return per_rank[0]
 
 
@@ -110,7 +113,7 @@ def lm_eval_reference(checkpoint, lm_eval_dir):
 
 
 def assert_same_scores(got, ref, what):
-    assert set(got) - {"logits_widths", "generation", "real", "lm_eval"} == set(ref) - {"generation", "generation_stop"}
+    assert set(got) - {"logits_widths", "generation", "real", "lm_eval", "packing"} == set(ref) - {"generation", "generation_stop"}
     mixed, mixed_ref = got["mixed"], ref["mixed"]
     worst = max(abs(a[0] - b[0]) for a, b in zip(mixed["logprobs"], mixed_ref["logprobs"], strict=True))
     assert worst < 1e-5, f"{what}: log-probs of requests batched with others of other lengths differ by {worst:.2e}"
@@ -135,6 +138,16 @@ def test_layout_scores_equal_the_transformers_conversion(layouts, reference, lay
     assert layouts[layout]["logits_widths"] == {VOCAB // tp}  # V/tp logits on the last stage, nothing elsewhere
 
 
+@pytest.mark.parametrize("layout", [name for name, *_ in LAYOUTS] + [BF16_LAYOUT[0]])
+def test_packed_rows_score_like_one_row_per_request(layouts, layout):
+    """Every layout (and bf16 at tp2, where the packed attention runs in fp32 like flash-attn's accumulation)."""
+    if layout == BF16_LAYOUT[0]:
+        for check in layouts[layout]["packing"]:
+            assert check["max_diff"] < 0.05 and check["packed"]["masked_rows"] > 0, check
+        return
+    assert_packing_exact(layouts[layout]["packing"], layout)
+
+
 @pytest.mark.parametrize("layout", [name for name, *_ in LAYOUTS])
 def test_lm_eval_tasks_score_like_the_transformers_conversion(layouts, lm_eval_reference, layout):
     """lm-eval's few-shot multiple choice, filtered greedy generation (KV cache; the re-run path under
@@ -156,6 +169,7 @@ def test_more_layouts_score_equal_the_transformers_conversion(request, checkpoin
     got = _evaluate(world, checkpoint, layouts, lm_eval_dir=lm_eval_dir if world < 8 else None)
     for name, tp, pp, tp_mode in layouts:
         assert_same_scores(got[name], reference, name)
+        assert_packing_exact(got[name]["packing"], name)
         assert got[name]["logits_widths"] == {VOCAB // tp}
         _assert_generations(got[name]["generation"], reference, name, tp * pp, tp_mode)
         if "lm_eval" in got[name]:

@@ -182,6 +182,24 @@ def test_context_parallelism_is_folded_into_data_parallelism(world):
     print(f"cp2: max |logit diff| vs the ring forward {max(r['cp2']['ring_vs_backend'] for r in ranks):.1e}")
 
 
+def test_packed_rows_score_like_one_row_per_request(world):
+    """Packed rows on nanotron main's Qwen2 (tests/packing_checks.py: a document's context once under nano_eval's
+    tree mask with per-token RoPE positions, several documents per row, a shared few-shot prefix once): log-probs
+    within 1e-5 of one row per request and the same greedy flags for every variant at tp2 (dense, no-RoPE layers, qkv
+    bias, sliding window counted in positions, no-RoPE layers without the window, MoE), dense at tp1 x dp2, dense and
+    no-RoPE at pp2 (with the upstream fix), and with CP folded into DP (cp2)."""
+    from tests.packing_checks import assert_packing_exact
+
+    _, ranks = world
+    found = {(k[0], k[1]) for r in ranks for part in ("backend", "pp2") for k in r[part] if k[-1] == "packing"}
+    assert {(v, "tp2") for v in ("dense", "nope", "bias", "swa", "nope_swa", "moe")} | {("dense", "tp1xdp2")} | {
+        ("dense", "pp2"), ("nope", "pp2")} <= found, found
+    for variant, layout in sorted(found):
+        part = "pp2" if layout == "pp2" else "backend"
+        assert_packing_exact([r[part][(variant, layout, "packing")] for r in ranks], f"{variant} {layout}", fewer=2)
+    assert_packing_exact([r["cp2"]["packing"] for r in ranks], "cp2", fewer=2)
+
+
 def test_pp2_on_unfixed_nanotron_main_is_refused_on_every_rank(world):
     """nanotron main cannot run Qwen2 with pp > 1 (upstream bug); both stages must raise the same error before any
     forward. Without the collective contract check, stage 1 raised and stage 0 waited on it."""

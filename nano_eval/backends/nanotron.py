@@ -3,11 +3,16 @@
 Two model contracts (nano_eval.compat.nanotron.model_family): nanotron's LlamaModel (0.4 and main) and nanotron
 main's Qwen2Model (the SmolLM3 code: no-RoPE layers, qkv bias, sliding window, MoE). Inputs enter on the first
 pipeline stage (other stages pass TensorPointers, as nanotron's own data loader does); the model's P2P moves
-activations between stages; vocab-sharded logits come out of the last stage (Llama `[S, B, V/tp]`, Qwen2
-`[B * S, V/tp]`), where we keep only the scored positions. Nothing is rebuilt and no full-vocabulary tensor is
-gathered.
+activations between stages; vocab-sharded logits come out of the last stage, where lm_head projects only the
+distinct scored positions (nano_eval.backends.nanotron_packed.ScoredHead: Llama `[U, 1, V/tp]`, Qwen2 `[U, V/tp]`
+instead of `[S, B, V/tp]` / `[B * S, V/tp]`). Nothing is rebuilt and no full-vocabulary tensor is gathered.
 
-Padding: batches are right-padded, and each row is given to the model as ONE causal sequence of length S:
+Packed rows (`supports_packed_rows`: a document's context once, its continuations beside it, several documents
+per row, a shared few-shot prefix once; nano_eval.packing): the batch's tree mask and position ids reach every
+attention layer through nano_eval.backends.nanotron_packed.TreeAttention (RoPE at each token's own position,
+attention under the mask), for both families, every TP mode, PP and CP folded into DP.
+
+Padding (plain batches): rows are right-padded, and each is given to the model as ONE causal sequence of length S:
 - Llama: an ALL-TRUE mask with positions 0..S-1. nanotron 0.4's Llama training path flattens the padded `[B * S]`
   states and calls flash-attn's varlen kernel with `cu_seqlens` taken from the mask's lengths, so a real padding
   mask makes every row after a padded one read the wrong offsets.
@@ -41,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from nano_eval.backends.base import Batch, note_rerun_generation
+from nano_eval.backends.nanotron_packed import ScoredHead, TreeAttention, tree_of
 from nano_eval.backends.nanotron_qwen2_cache import Qwen2Cache
 from nano_eval.backends.nanotron_qwen2_cache import unsupported_reason as qwen2_cache_problem
 from nano_eval.compat.nanotron import QWEN2, LocalAttention, import_nanotron, model_family, model_inputs, qwen2_pp_bug
@@ -141,6 +147,11 @@ class NanotronModel:
         self.local_attention = None
         if self.layout.cp_size > 1:
             self.local_attention = LocalAttention(self.forward_module, parallel_context)
+        # packed rows (a document's context once; nano_eval.packing) under our tree mask and per-token RoPE
+        # positions, and lm_head on the scored positions only (nano_eval.backends.nanotron_packed)
+        self.supports_packed_rows = True
+        self.tree = TreeAttention(self.forward_module, self.family)
+        self.head = ScoredHead(self.forward_module, self.family, parallel_context.tp_pg, sequence_parallel)
 
     def incremental_decoder(self, shared_prefix_tokens: int = 0):
         """Greedy generation from a KV cache behind nano_eval.decoder.CacheDecoder: nanotron 0.4's Llama inference
@@ -169,23 +180,23 @@ class NanotronModel:
         from nanotron.parallel.pipeline_parallel.tensor_pointer import TensorPointer
 
         lay = self.layout
+        rows, columns = batch.input_ids.shape
+        columns += -columns % self.seq_multiple  # sequence-parallel TP: a multiple of tp (more right padding)
+        # see the module docstring: one causal sequence per row, or a packed row's tree (on every stage)
+        tree, position_ids = contextlib.nullcontext(), torch.arange(columns, device=self.device).repeat(rows, 1)
+        if batch.position_ids is not None:
+            mask, position_ids = (t.to(self.device) for t in tree_of(batch, columns))
+            tree = self.tree.applied(mask, position_ids)
         if lay.pp_rank == lay.input_pp_rank:
-            input_ids = batch.input_ids.to(self.device)
-            extra = -input_ids.shape[1] % self.seq_multiple
-            if extra:
-                input_ids = torch.nn.functional.pad(input_ids, (0, extra), value=0)
-            rows, columns = input_ids.shape
-            # see the module docstring: one causal sequence per row, exact for every real token
-            position_ids = torch.arange(columns, device=self.device).repeat(rows, 1)
+            input_ids = torch.nn.functional.pad(batch.input_ids.to(self.device), (0, columns - batch.input_ids.shape[1]))
         else:
             input_ids = position_ids = TensorPointer(group_rank=lay.input_pp_rank)
-        with self.local_attention.applied() if self.local_attention else contextlib.nullcontext():
+        picks = (batch.rows.to(self.device), batch.cols.to(self.device))
+        with (self.local_attention.applied() if self.local_attention else contextlib.nullcontext()), tree, \
+                self.head.applied(*picks, rows):
             logits = self.forward_module(**model_inputs(self.family, input_ids, position_ids))
         if isinstance(logits, dict):
             logits = logits.get("logits", logits.get("sharded_logits"))
         if not lay.is_output_stage or isinstance(logits, TensorPointer):
             return None
-        rows, cols = batch.rows.to(logits.device), batch.cols.to(logits.device)
-        if self.family == QWEN2:  # [B * S, V/tp]; S includes the sequence-parallel padding
-            return logits.view(batch.input_ids.shape[0], -1, logits.shape[-1])[rows, cols]
-        return logits[cols, rows]  # [S, B, V/tp] -> [N, V/tp]
+        return self.head.scored(logits)  # [N, V/tp]
