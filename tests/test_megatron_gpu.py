@@ -92,6 +92,35 @@ def evaluate_gpt(rank, world, tp, pp, tokenizer_dir):
     return summarize(backend, TASKS, 1024, 12)
 
 
+def packing_gpt(rank, world, tp, pp, tokenizer_dir):
+    """tests/packing_checks.py on the GPU: the local spec takes packed rows (tree mask, per-row RoPE); a Transformer
+    Engine spec does not (its attention applies a mask type, not our mask) and gets plain rows."""
+    from transformers import AutoTokenizer
+
+    from nano_eval.backends.megatron import MegatronModel
+    from nano_eval.compat.megatron import import_megatron_core
+    from tests.packing_checks import packed_vs_unpacked
+
+    import_megatron_core().initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    backend = MegatronModel(build_gpt_model(tp, pp), AutoTokenizer.from_pretrained(tokenizer_dir), max_length=128,
+                            micro_batch_size=2)
+    return {"takes_packed_rows": backend.supports_packed_rows, "local_spec": _layer_spec()[1],
+            **packed_vs_unpacked(backend, max_batch_tokens=512, pack_tokens=96)}
+
+
+def test_packed_rows_on_cuda(toy_checkpoint):
+    """fp32 on one GPU: the local spec scores packed rows within 1e-5 of one row per request; a Transformer Engine
+    spec gets plain rows (the same scores), and the line says which ran."""
+    got = run_nccl(packing_gpt, 1, 1, 1, str(toy_checkpoint), timeout=600)[0]
+    assert got["takes_packed_rows"] == got["local_spec"], got
+    assert got["max_diff"] <= 1e-5 and not got["greedy_mismatches"], got
+    assert (got["packed"]["masked_rows"] > 0) == got["local_spec"], got
+    print(f"gpu_check: megatron {'local' if got['local_spec'] else 'Transformer Engine'} spec: packed rows "
+          f"{'taken' if got['takes_packed_rows'] else 'not taken (plain rows)'}; log-probs within "
+          f"{got['max_diff']:.1e} of one row per request; positions {got['packed']['positions']} vs "
+          f"{got['unpacked']['positions']}")
+
+
 @pytest.fixture(scope="module")
 def reference(toy_checkpoint):
     """The same weights in transformers' LlamaForCausalLM on the GPU."""
