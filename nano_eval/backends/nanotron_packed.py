@@ -40,6 +40,9 @@ from nano_eval.compat.nanotron import QWEN2
 from nano_eval.rows import PAD, tree_attention_mask
 
 
+_NOTHING = object()
+
+
 def tree_of(batch, columns: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(mask [B, 1, C, C] bool True = attend, positions [B, C] int64) of a packed batch right-padded to `columns`."""
     grow = (0, columns - batch.input_ids.shape[1])
@@ -70,7 +73,8 @@ class TreeAttention:
         """While inside, every attention layer of the model runs `mask` [B, 1, S, S] with RoPE at `positions`."""
         self.mask, self.positions = mask, positions
         self.offsets, self.max_seqlen = positions.reshape(-1).to(torch.int32), int(positions.max()) + 1
-        patched = []  # (module, name) of instance attributes set here
+        patched = []  # (module, name, ours) of instance attributes set here
+        saved = []  # (module, name, what the instance held before: a framework's own wrapper, or nothing)
         try:
             for layer in self.layers:
                 if self.family == QWEN2:
@@ -80,11 +84,15 @@ class TreeAttention:
                                     self._rotary(layer.flash_rotary_embedding)))
                     patched.append((layer.attention, "forward", self._llama_core(layer)))
             for module, name, fn in patched:
+                saved.append((module, name, module.__dict__.get(name, _NOTHING)))
                 setattr(module, name, fn)
             yield
         finally:
-            for module, name, _ in patched:
-                module.__dict__.pop(name, None)
+            for module, name, before in reversed(saved):
+                if before is _NOTHING:
+                    module.__dict__.pop(name, None)
+                else:
+                    module.__dict__[name] = before
             self.mask = self.positions = self.offsets = None
 
     def _rotary(self, rotary):
