@@ -45,7 +45,8 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 class TorchtitanModel:
     """torchtitan model parts behind the backend protocol (nano_eval.backends.base.Backend).
 
-    parts: the Trainer's `model_parts`; parallel_dims: its `parallel_dims` (meshes built); schedule: its
+    parts: the Trainer's `model_parts`; parallel_dims: its `parallel_dims` (meshes built; None: a plain model,
+    every process a data-parallel replica, as run.py scores a checkpoint); schedule: its
     `pp_schedule` under pipeline parallelism (else None); sequence_parallel: its
     `config.parallelism.enable_sequence_parallel` (activations sharded over TP along the sequence). Every rank of
     the world constructs it.
@@ -65,7 +66,7 @@ class TorchtitanModel:
         self.stages = tt.stages_of(schedule, self.parts)
         config = getattr(self.parts[0], "config", None)
         self.vocab_size = getattr(config, "vocab_size", None)
-        self.seq_multiple = parallel_dims.tp if sequence_parallel and parallel_dims.tp > 1 else 1
+        self.seq_multiple = self.layout.tp_size if sequence_parallel else 1
         self.unsharded = tt.UnshardedParameters(self.parts) if self._unshard(unshard) else None
         fsdp_collectives = tt.fsdp_degree(parallel_dims) > 1 and self.unsharded is None
         self.lockstep = fsdp_collectives or self.layout.ep_size > 1

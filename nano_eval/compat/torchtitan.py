@@ -52,7 +52,10 @@ def _mesh(parallel_dims, name: str):
 
 
 def layout_of(parallel_dims, device: str) -> ParallelLayout:
-    """ParallelLayout of this rank from torchtitan's ParallelDims (built meshes)."""
+    """ParallelLayout of this rank from torchtitan's ParallelDims (built meshes); None: every process a
+    data-parallel replica (a checkpoint's model in one process per rank)."""
+    if parallel_dims is None:
+        return ParallelLayout.data_parallel()
     pd = parallel_dims
     dp = pd.dp_replicate * pd.dp_shard * pd.cp
     dp_mesh = _mesh(pd, "loss") if dp > 1 else None
@@ -71,10 +74,14 @@ def layout_of(parallel_dims, device: str) -> ParallelLayout:
 
 def fsdp_degree(parallel_dims) -> int:
     """Ranks a parameter is sharded over by FSDP2 (dp_shard x cp)."""
+    if parallel_dims is None:
+        return 1
     return parallel_dims.dp_shard * parallel_dims.cp
 
 
 def spmd_backend(parallel_dims) -> str:
+    if parallel_dims is None:
+        return "partial_dtensor"
     return getattr(parallel_dims, "spmd_backend", None) or "partial_dtensor"
 
 
@@ -166,7 +173,7 @@ class UnshardedParameters:
 def local_context_parallel(parallel_dims):
     """While inside: torchtitan's FlexAttention context parallelism does not gather keys / values over the CP mesh
     (each CP rank scores whole rows as a data-parallel rank)."""
-    if parallel_dims.cp <= 1:
+    if parallel_dims is None or parallel_dims.cp <= 1:
         yield
         return
     from torchtitan.distributed.context_parallel import api
@@ -181,6 +188,8 @@ def local_context_parallel(parallel_dims):
 
 def spmd_context(parallel_dims):
     """The context torchtitan's Trainer runs forwards in (its `train_context`): the runtime mesh under spmd_types."""
+    if parallel_dims is None:
+        return contextlib.nullcontext()
     from torchtitan.distributed import utils as dist_utils
 
     return dist_utils.get_spmd_context(parallel_dims=parallel_dims)()

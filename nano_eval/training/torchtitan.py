@@ -27,12 +27,12 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Mapping
 
+from nano_eval.checkpoints.torchtitan import MODEL_FILE  # in each checkpoint folder: the model's registry names
 from nano_eval.errors import NanoEvalError
 from nano_eval.training.config import EvalHookConfig, parse_hook_section
 from nano_eval.training.hook import EvalHook
 
 TORCHTITAN_DEFAULTS = {"wandb_log_step": True, "tokens_key": "n_tokens_seen"}  # torchtitan logs every row at step=
-MODEL_FILE = "nano_eval_torchtitan.json"  # in each checkpoint folder: the model's torchtitan registry names
 YAML_BYTES = 1 << 20
 
 
@@ -180,7 +180,8 @@ def write_model_file(trainer, step: int) -> None:
 
     path = Path(folder) / f"step-{step}"
     document = {"module": model["module"], "config": model["config"], "step": step,
-                "consumed_tokens": consumed_tokens(trainer), "tokenizer": str(trainer.config.hf_assets_path)}
+                "consumed_tokens": consumed_tokens(trainer), "seq_len": trainer.config.training.seq_len,
+                "tokenizer": str(trainer.config.hf_assets_path)}
     try:
         path.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(path / MODEL_FILE, json.dumps(document, indent=1).encode())
