@@ -18,7 +18,7 @@ from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
-from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+from torchtitan.config import CompileConfig, DebugConfig, ParallelismConfig, TrainingConfig
 from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
 from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm, compute_ffn_hidden_dim
 from torchtitan.models.llama3 import Llama3Model, _build_llama3_layers, parallelize_llama
@@ -68,4 +68,5 @@ def tiny_llama() -> Trainer.Config:
         checkpoint=CheckpointManager.Config(interval=2, last_save_model_only=False),
         activation_checkpoint=None,
         compile=CompileConfig(),
+        debug=DebugConfig(seed=0),  # the same initial weights in every run (the with / without-hook comparison)
     )

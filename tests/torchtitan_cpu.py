@@ -19,8 +19,11 @@ What cannot exist here and what stands in for it:
   gradient divide factor to 1: on CPU FSDP2 is told to reduce with SUM and divide itself, as it does for MTIA
   (`_get_gradient_divide_factors`: same gradients).
 
-- not CPU but the project's torch (2.13): torchtitan 0.3.0 calls `torch.distributed.set_timeout(timeout, group)`
-  after its first step, which newer torch has; torch 2.13's `distributed_c10d._set_pg_timeout` does the same.
+- not CPU but the project's torch (2.13), which is older than torchtitan 0.3.0's (its spmd_types backend and a few
+  calls need torch >= 2.15, a multi-GB CUDA wheel): `torch.distributed.set_timeout(timeout, group)`, called after
+  the first step, is torch 2.13's `distributed_c10d._set_pg_timeout`; pipeline schedules' `step(arg_mbs=,
+  kwarg_mbs=, target_mbs=)` (microbatches split by the caller, newer torch) runs torch 2.13's own
+  `_step_microbatches` on them (`_schedule_step_with_microbatches`).
 
 Everything else (Trainer, parallelize_llama, FSDP2, TP, pipeline_llm, DCP checkpointer, data loader, tokenizer) is
 torchtitan's real code.
@@ -69,6 +72,11 @@ def install() -> None:
         from torch.distributed.distributed_c10d import _set_pg_timeout
 
         dist.set_timeout = lambda timeout, group=None: _set_pg_timeout(timeout, group)
+    from torch.distributed.pipelining import schedules
+
+    for cls in (schedules.PipelineScheduleSingle, schedules.PipelineScheduleMulti):
+        if not getattr(cls.step, "_cpu_double", False):
+            cls.step = _schedule_step_with_microbatches(cls.step)
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     import torchtitan.models.common.attention as attention
@@ -160,3 +168,30 @@ def check_double(seed: int = 0) -> float:
     want, aux = flex_attention(q, k, v, block_mask=block, return_aux=AuxRequest(lse=True))
     got, got_aux = _masked_attention(q, k, v, block_mask=block, return_aux=AuxRequest(lse=True))
     return max((want - got).abs().max().item(), (aux.lse - got_aux.lse).abs().max().item())
+
+
+def _schedule_step_with_microbatches(step):
+    """torch 2.13's schedule.step(*args, **kwargs) plus newer torch's keyword form `step(arg_mbs=, kwarg_mbs=,
+    target_mbs=, losses=, return_outputs=, loss_kwargs=)` (microbatches already split): the same per-iteration
+    set-up as torch 2.13's own step, then its `_step_microbatches` on the given microbatches."""
+    import functools
+
+    @functools.wraps(step)
+    def stepped(self, *args, arg_mbs=None, kwarg_mbs=None, target_mbs=None, **kwargs):
+        if arg_mbs is None and kwarg_mbs is None and target_mbs is None:
+            return step(self, *args, **kwargs)
+        losses, return_outputs = kwargs.pop("losses", None), kwargs.pop("return_outputs", True)
+        loss_kwargs = kwargs.pop("loss_kwargs", None)
+        assert not args and not kwargs, (args, kwargs)
+        stages = list(getattr(self, "_stages", None) or [self._stage])
+        for stage in stages:
+            stage.has_backward = self._has_backward
+            stage.clear_runtime_states()
+        self._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs=loss_kwargs)
+        for stage in stages:
+            if stage.is_last and return_outputs:
+                return self._merge_outputs(stage.output_chunks)
+        return None
+
+    stepped._cpu_double = True
+    return stepped
