@@ -242,3 +242,41 @@ def test_checkpoint_model_names_are_checked(tmp_path):
         model_names(Folder(folder).check(), "os.system")
     (folder / "common.pt").write_bytes(b"")  # Megatron's torch_dist folder
     assert not is_torchtitan_checkpoint(folder)
+
+
+def test_unsharded_parameters_restore_fsdp_settings():
+    """UnshardedParameters on a real FSDP2 model (a 1-process gloo world): parameters gathered inside, each unit's
+    reshard-after-forward setting and sharded parameters back after; unsharded_bytes counts the gathered size."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from nano_eval.compat.torchtitan import UnshardedParameters, unsharded_bytes
+
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+        fully_shard(model[0], mesh=mesh, reshard_after_forward=True,
+                    mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+        fully_shard(model, mesh=mesh, reshard_after_forward=False,
+                    mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+        assert unsharded_bytes([model]) == (72 + 36) * 2  # gathered in the forward dtype (bf16), fp32 sharded
+        groups = [g for m in (model[0], model) for g in m._get_fsdp_state()._fsdp_param_groups]
+        before = [g.post_forward_mesh_info for g in groups]
+        sharded = [p for p in model.parameters()]
+        with UnshardedParameters([model]).applied():
+            assert all(g.is_unsharded for g in groups)
+            assert all(g.post_forward_mesh_info is None for g in groups)
+            with torch.no_grad():
+                model(torch.ones(2, 8, dtype=torch.bfloat16))
+            assert all(g.is_unsharded for g in groups)  # no reshard after the forward
+        assert [g.post_forward_mesh_info for g in groups] == before
+        assert not any(g.is_unsharded for g in groups)
+        assert [p for p in model.parameters()] == sharded
+    finally:
+        if own:
+            dist.destroy_process_group()

@@ -131,10 +131,9 @@ def unsharded_bytes(parts: list) -> int:
     total = 0
     for module in fsdp_modules(parts):
         for group in module._get_fsdp_state()._fsdp_param_groups:
-            dtype = getattr(group.mp_policy, "param_dtype", None)
             for p in group.fsdp_params:
-                size = getattr(p, "_orig_size", None) or p.sharded_size
-                total += int(torch.Size(size).numel()) * (dtype or p.sharded_param.dtype).itemsize
+                dtype = getattr(getattr(p, "mp_policy", None), "param_dtype", None) or p.sharded_param.dtype
+                total += int(torch.Size(p._orig_size).numel()) * dtype.itemsize
     return total
 
 
