@@ -10,8 +10,10 @@ For each layout (fsdp2 = dp_shard 2, tp2 with sequence parallelism, pp2, fsdp2 w
 - the live step-4 scores equal `run.py --checkpoint <dump>/checkpoint/step-4` (torchtitan's model class in one
   process, the DCP read through nano_eval's checked reader): every per-request log-prob within 1e-5, accuracies and
   generations identical;
-- 5 documents per task in 96-token batches give the data-parallel ranks different numbers of forwards: with the
-  FSDP2 parameters gathered once per evaluation (default) or sharded (`unshard: false`: lockstep), nothing hangs.
+- 5 documents per task in 24-token batches give the data-parallel ranks different numbers of forwards (3 and 2 for
+  demo|arithmetic: `test_the_batches_are_uneven`): with the FSDP2 parameters gathered once per evaluation (default)
+  or sharded (`unshard: false`: lockstep), nothing hangs. (Sharded without lockstep, the run stops at gloo's
+  timeout: "Application timeout caused pair closure".)
 
 torchtitan is not in the global environment: these tests run in the venv of scripts/setup_torchtitan.sh (.ci/run
 does, with NANO_EVAL_REQUIRE_TORCHTITAN=1 so they fail rather than skip; NANO_EVAL_TORCHTITAN_SLOW=1 adds the slow
@@ -35,6 +37,7 @@ REQUIRED = os.environ.get("NANO_EVAL_REQUIRE_TORCHTITAN") == "1"
 SLOW = os.environ.get("NANO_EVAL_TORCHTITAN_SLOW") == "1"
 TASKS = "demo|arithmetic|0,demo|arithmetic_ppl|0,demo|arithmetic_gen|0"
 STEPS, LOCAL_BATCH_ROWS, SEQ = 4, 2, 64
+DOCS, BATCH_TOKENS = 5, 24
 # name: (ranks, data-parallel ranks, torchtitan arguments, nano_eval options)
 LAYOUTS = {
     "fsdp2": (2, 2, [], {}),
@@ -96,7 +99,7 @@ def train(assets: Path, out: Path, nproc: int, args: list[str], evaluation: dict
                "--config", "tiny_llama", "--dataloader.dataset_path", str(assets / "data"),
                "--hf_assets_path", str(assets / "tokenizer"), "--dump_folder", str(out), *args]
     if evaluation is not None:
-        options = {"tasks": TASKS, "interval": 2, "max_samples": 5, "batch_tokens": 96, "write_details": True,
+        options = {"tasks": TASKS, "interval": 2, "max_samples": DOCS, "batch_tokens": BATCH_TOKENS, "write_details": True,
                    "fail_soft": False, "output_dir": str(out / "nano_eval"), **evaluation}
         (out / "eval.yaml").parent.mkdir(parents=True, exist_ok=True)
         (out / "eval.yaml").write_text(json.dumps(options))  # JSON is YAML
@@ -124,7 +127,7 @@ def score_checkpoint(assets: Path, checkpoint: Path, out: Path) -> Path:
     """run.py on a torchtitan checkpoint folder, one process (the CPU double installed by the launcher)."""
     command = [sys.executable, str(ROOT / "tests" / "torchtitan_launch.py"), str(ROOT / "nano_eval" / "run.py"),
                "--checkpoint", str(checkpoint), "--tokenizer", str(assets / "tokenizer"),
-               "--torchtitan-config", "tests.torchtitan_configs:tiny_llama", "--tasks", TASKS, "--max-samples", "5",
+               "--torchtitan-config", "tests.torchtitan_configs:tiny_llama", "--tasks", TASKS, "--max-samples", str(DOCS),
                "--output-dir", str(out)]
     done = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
@@ -143,7 +146,7 @@ def assert_same_scores(live: Path, checkpoint: Path, tolerance: float = 1e-5) ->
     assert got.keys() == want.keys() and got, (got.keys(), want.keys())
     worst = 0.0
     for name in want:
-        assert len(got[name]) == len(want[name]) == 5, name
+        assert len(got[name]) == len(want[name]) == DOCS, name
         for a, b in zip(got[name], want[name]):
             assert a["context"] == b["context"] and a.get("predictions") == b.get("predictions"), (name, a, b)
             assert a["argmax_logits_eq_gold"] == b["argmax_logits_eq_gold"], name
@@ -187,6 +190,30 @@ def test_hook_in_torchtitan_trainer_slow(name, assets, tmp_path):
     if not SLOW:
         pytest.skip("NANO_EVAL_TORCHTITAN_SLOW=1 runs the 4-rank layouts")
     run_layout(name, SLOW_LAYOUTS[name], assets, tmp_path)
+
+
+def test_the_batches_are_uneven(assets):
+    """The evaluation above gives the two data-parallel ranks different numbers of demo|arithmetic forwards (the
+    situation in which FSDP2's per-forward all-gathers hang without lockstep)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from nano_eval.data import GenDistributedSampler
+    from nano_eval.engine import BatchingConfig
+    from nano_eval.evaluator import EvalConfig, Evaluator
+    from nano_eval.parallel import ParallelLayout
+    from nano_eval.tasks import load_tasks
+
+    class Shape:  # what the Evaluator reads of a backend to cut batches
+        layout, max_length, module, vocab_size = ParallelLayout(), SEQ, torch.nn.Linear(1, 1), 600
+        tokenizer = AutoTokenizer.from_pretrained(assets / "tokenizer")
+
+    evaluator = Evaluator(Shape(), load_tasks("demo|arithmetic|0"),
+                          EvalConfig(max_samples=DOCS, batching=BatchingConfig(max_batch_tokens=BATCH_TOKENS)))
+    (dataset,) = evaluator.datasets.values()
+    counts = [len(list(dataset.splits_iterator(list(GenDistributedSampler(dataset, 2, rank)), BATCH_TOKENS, 512)))
+              for rank in (0, 1)]
+    assert counts[0] != counts[1], counts
 
 
 def test_cpu_attention_double_matches_flex_attention():
