@@ -3,7 +3,7 @@ checkpointer, data loader) on CPU/gloo, through hooks/torchtitan_eval.py under t
 installs the CPU test double tests/torchtitan_cpu.py first; tests/torchtitan_configs.py is a tiny Llama3 config).
 
 For each layout (fsdp2 = dp_shard 2, tp2 with sequence parallelism, pp2, fsdp2 with `unshard: false`; slow: hsdp
-2x2 on 4 ranks, fsdp2 x tp2):
+2x2 on 4 ranks, fsdp2 x tp2, cp2 folded into data parallelism):
 - the run trains 4 steps, evaluates at steps 2 and 4 (the interval; the step-2 / step-4 checkpoints are saved there
   too: evaluated once per step) with consumed tokens = steps x global batch x sequence length;
 - losses and gradient norms are bitwise equal to the same run without the hook;
@@ -38,16 +38,19 @@ SLOW = os.environ.get("NANO_EVAL_TORCHTITAN_SLOW") == "1"
 TASKS = "demo|arithmetic|0,demo|arithmetic_ppl|0,demo|arithmetic_gen|0"
 STEPS, LOCAL_BATCH_ROWS, SEQ = 4, 2, 64
 DOCS, BATCH_TOKENS = 5, 24
-# name: (ranks, data-parallel ranks, torchtitan arguments, nano_eval options)
+LOGGERS = ["--metrics.enable_wandb", "--metrics.enable_tensorboard"]  # torchtitan's own (W&B offline in the tests)
+# name: (ranks, data-parallel ranks of the evaluation (dp x cp), torchtitan arguments, nano_eval options)
 LAYOUTS = {
     "fsdp2": (2, 2, [], {}),
     "tp2": (2, 1, ["--parallelism.tensor_parallel_degree", "2"], {}),
-    "pp2": (2, 1, ["--parallelism.pipeline_parallel_degree", "2"], {}),
+    "pp2": (2, 1, ["--parallelism.pipeline_parallel_degree", "2", *LOGGERS], {}),
     "fsdp2_sharded": (2, 2, [], {"unshard": False}),
 }
 SLOW_LAYOUTS = {
     "hsdp": (4, 4, ["--parallelism.data_parallel_replicate_degree", "2"], {}),
     "fsdp2_tp2": (4, 2, ["--parallelism.tensor_parallel_degree", "2"], {}),
+    # torchtitan's CP with flex attention wants the sequence divisible by cp x 128
+    "cp2": (2, 2, ["--parallelism.context_parallel_degree", "2", "--training.seq_len", "256"], {}),
 }
 
 
@@ -85,7 +88,7 @@ def _port() -> int:
 
 
 def _env(extra: dict | None = None) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), WANDB_MODE="disabled")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), WANDB_MODE="offline", WANDB_SILENT="true")
     env.update(extra or {})
     return env
 
@@ -170,14 +173,36 @@ def run_layout(name: str, spec, assets: Path, root: Path) -> None:
     assert with_hook and with_hook == without, (with_hook, without)
     assert [step for step, *_ in next(iter(with_hook.values()))] == list(range(1, STEPS + 1))
     rows = [json.loads(line) for line in next(live.rglob("eval_results.jsonl")).read_text().splitlines()]
-    assert [(r["step"], r["consumed_tokens"]) for r in rows] == [(s, s * LOCAL_BATCH_ROWS * dp * SEQ) for s in (2, 4)]
+    seq = int(args[args.index("--training.seq_len") + 1]) if "--training.seq_len" in args else SEQ
+    assert [(r["step"], r["consumed_tokens"]) for r in rows] == [(s, s * LOCAL_BATCH_ROWS * dp * seq) for s in (2, 4)]
     assert all("failed" not in r for r in rows), rows
     model_file = json.loads((live / "checkpoint" / "step-4" / "nano_eval_torchtitan.json").read_text())
     assert (model_file["module"], model_file["config"], model_file["step"]) == ("tests.torchtitan_configs",
                                                                                 "tiny_llama", 4)
+    if LOGGERS[0] in args:
+        check_loggers(live, rows)
     checkpoint = score_checkpoint(assets, live / "checkpoint" / "step-4", root / f"{name}_ckpt")
     worst = assert_same_scores(live / "nano_eval" / "step_4", checkpoint)
     print(f"{name}: losses bitwise equal over {STEPS} steps; live step-4 vs checkpoint: max |logprob diff| {worst:.1e}")
+
+
+def check_loggers(out: Path, rows: list[dict]) -> None:
+    """The evaluations are in torchtitan's own W&B run (opened by its metrics processor on its logging rank, the
+    last pipeline stage's first rank) at step= the training step, beside its losses, with n_tokens_seen, and in its
+    TensorBoard folder."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from tests.test_wandb import read_run
+
+    (run_dir,) = {p.parent.parent for p in out.rglob("offline-run-*")}
+    history, _ = read_run(run_dir)
+    key = "eval/demo|arithmetic|0/acc"
+    evaluated = [(r["_step"], r["n_tokens_seen"], r[key]) for r in history if key in r]
+    assert evaluated == [(r["step"], r["consumed_tokens"], r["results"]["demo|arithmetic|0"]["acc"]) for r in rows]
+    assert {r["_step"] for r in history if "loss_metrics/global_avg_loss" in r} == set(range(1, STEPS + 1))
+    events = EventAccumulator(str(run_dir))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars(key)] == [(s, pytest.approx(a)) for s, _, a in evaluated]
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

@@ -23,6 +23,9 @@ called as `part(tokens or hidden [B, S(, H)], positions=[B, S], attention_masks=
   replica holds the same batch, so shapes are known on both sides). Logits come out of the last stage.
 - CP: folded into DP. Each CP rank scores whole rows; FlexAttention's key / value all-gather over the CP mesh is off
   while scoring (nano_eval.compat.torchtitan.local_context_parallel).
+- MoE: torchtitan routes every token to its top-k experts in eval mode (dropless) and counts expert load only in
+  training mode, so scoring leaves the load-balancing state alone; HybridEP's capacity-factor dispatch is refused.
+  Under expert parallelism the MoE all-to-all spans data-parallel ranks: lockstep. (Not run on CPU here.)
 - Greedy generation re-runs the prompt for every new token (no KV cache for torchtitan's attention yet; one note
   on rank 0 says so).
 """
@@ -59,6 +62,11 @@ class TorchtitanModel:
         self.module = torch.nn.ModuleList(self.parts)
         self.parallel_dims = parallel_dims
         self.tokenizer, self.max_length = tokenizer, max_length
+        dropping = tt.token_dropping(self.parts)
+        if dropping is not None:
+            raise NanoEvalError(f"cannot score this torchtitan MoE model without token dropping: {dropping}, so a "
+                                "row's scores would depend on the other rows of its batch. Fix: evaluate with a "
+                                "dropless token dispatcher (HybridEP without non_blocking_capacity_factor)")
         first = next(p for part in self.parts for p in part.parameters())
         self.device = torch.device(device) if device is not None else tt.local(first).device
         self.layout = tt.layout_of(parallel_dims, "cuda" if self.device.type == "cuda" else "cpu")

@@ -204,6 +204,17 @@ def spmd_inputs(parallel_dims, tokens: torch.Tensor, positions: torch.Tensor) ->
     return tokens, extra["positions"]
 
 
+def token_dropping(parts: list) -> str | None:
+    """What makes a MoE layer of `parts` drop tokens (scores would depend on the batch), or None. torchtitan's MoE
+    routes every token to its top-k experts (dropless) in eval mode, except HybridEP's non-blocking dispatch with a
+    capacity factor."""
+    for part in parts:
+        for name, module in part.named_modules():
+            if getattr(module, "non_blocking_capacity_factor", None) is not None:
+                return f"{name} ({type(module).__name__}) has non_blocking_capacity_factor set"
+    return None
+
+
 def attention_masks(part, positions: torch.Tensor):
     """The masks torchtitan builds for its Flex / Varlen attention from per-token positions (None otherwise)."""
     from torchtitan.models.common.attention import FlexAttention, VarlenAttention
