@@ -39,7 +39,7 @@ TASKS = "demo|arithmetic|0,demo|arithmetic_ppl|0,demo|arithmetic_gen|0"
 STEPS, LOCAL_BATCH_ROWS, SEQ = 4, 2, 64
 DOCS, BATCH_TOKENS = 5, 24
 LOGGERS = ["--metrics.enable_wandb", "--metrics.enable_tensorboard"]  # torchtitan's own (W&B offline in the tests)
-# name: (ranks, data-parallel ranks of the evaluation (dp x cp), torchtitan arguments, nano_eval options)
+# name: (ranks, training batch degree (dp_replicate x dp_shard), torchtitan arguments, nano_eval options)
 LAYOUTS = {
     "fsdp2": (2, 2, [], {}),
     "tp2": (2, 1, ["--parallelism.tensor_parallel_degree", "2"], {}),
@@ -50,7 +50,7 @@ SLOW_LAYOUTS = {
     "hsdp": (4, 4, ["--parallelism.data_parallel_replicate_degree", "2"], {}),
     "fsdp2_tp2": (4, 2, ["--parallelism.tensor_parallel_degree", "2"], {}),
     # torchtitan's CP with flex attention wants the sequence divisible by cp x 128
-    "cp2": (2, 2, ["--parallelism.context_parallel_degree", "2", "--training.seq_len", "256"], {}),
+    "cp2": (2, 1, ["--parallelism.context_parallel_degree", "2", "--training.seq_len", "256"], {}),
 }
 
 
