@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from nano_eval.agreement import message_of
-from nano_eval.backends.base import Backend, evaluation_mode
+from nano_eval.backends.base import Backend, evaluation_mode, scoring_session
 from nano_eval.engine import WORK_COUNTS, BatchingConfig, Engine
 from nano_eval.errors import NonFiniteScoreError
 from nano_eval.finite import check_finite
@@ -142,7 +142,7 @@ class Evaluator:
         traceback; a model that gave NaN / inf scores (nano_eval.finite, decided after the gather, so alike on every
         rank) is listed in `non_finite` too and left to the caller to report (one line, exit code 2)."""
         start = time.perf_counter()
-        with evaluation_mode(getattr(self.backend, "module", None)):
+        with evaluation_mode(getattr(self.backend, "module", None)), scoring_session(self.backend):
             raw, timings, work = self.run_requests()
         tasks, errors = {}, {}
         for p in self.prepared:  # one task's failure (a metric's bug) never loses the others' scores

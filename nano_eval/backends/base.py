@@ -67,6 +67,15 @@ class Backend(Protocol):
         ...
 
 
+@contextlib.contextmanager
+def scoring_session(backend):
+    """A backend's setup for a whole run of forwards, when it has one (`backend.session()`: torchtitan's FSDP2
+    parameters gathered once and resharded after). Every rank enters it together."""
+    session = getattr(backend, "session", None)
+    with session() if session is not None else contextlib.nullcontext():
+        yield
+
+
 def note_rerun_generation(backend, reason: str) -> None:
     """Say once per backend, on global rank 0, that greedy generation re-runs the prompt for every new token."""
     if getattr(backend, "_noted_rerun", False):

@@ -1,6 +1,7 @@
 """Load any saved checkpoint as a backend: the one place where a checkpoint format meets its reader.
 
-Formats, in the order they are recognised: a nanotron checkpoint (`config.yaml` + `model/`), a Megatron iteration
+Formats, in the order they are recognised: a torchtitan DCP checkpoint (`step-N/`: scored with torchtitan's own
+model class, torchtitan.py), a nanotron checkpoint (`config.yaml` + `model/`), a Megatron iteration
 folder or run dir (legacy `mp_rank_*` shards or torch_dist), else a transformers folder or Hub id. nanotron and
 Megatron checkpoints are read into a transformers Llama (any machine); `backend="nanotron"` builds nanotron's own
 model in a TP x PP layout instead (GPU + flash-attn), `backend="megatron"` megatron-core's GPTModel (dense or MoE)
@@ -32,7 +33,8 @@ class LoadOptions:
     tp: int = 1  # tensor-parallel degree (backends "nanotron", "megatron")
     pp: int = 1  # pipeline-parallel degree (backends "nanotron", "megatron")
     ep: int = 1  # expert-parallel degree (backend "megatron")
-    tokenizer: str | None = None  # replaces the checkpoint's own (nanotron: config.yaml's; Megatron: required)
+    tokenizer: str | None = None  # replaces the checkpoint's own (nanotron: config.yaml's; Megatron, torchtitan: required)
+    torchtitan_config: str | None = None  # "MODULE:CONFIG" of a torchtitan checkpoint's model (its run's names)
     device: str = "cpu"
     dtype: str = "float32"  # "float32", "bfloat16" or "float16"
     max_length: int | None = None  # override the model's context length
@@ -63,7 +65,7 @@ def load_backend(path: str, options: LoadOptions = LoadOptions()):
 
 
 def _load(path: str, o: LoadOptions):
-    from nano_eval.checkpoints import megatron_legacy, nanotron
+    from nano_eval.checkpoints import megatron_legacy, nanotron, torchtitan
     from nano_eval.checkpoints.hf import load_transformers
 
     policy = o.policy
@@ -80,6 +82,9 @@ def _load(path: str, o: LoadOptions):
             raise NanoEvalError(f"--backend nanotron needs a nanotron checkpoint (config.yaml + model/): {path}")
         return nanotron.load_native(path, o.tokenizer, tp=o.tp, pp=o.pp, dtype=o.dtype, max_length=o.max_length,
                                     policy=policy)
+    if torchtitan.is_torchtitan_checkpoint(path):
+        return torchtitan.load_native(path, o.tokenizer, torchtitan_config=o.torchtitan_config, dtype=o.dtype,
+                                      max_length=o.max_length, device=o.device, policy=policy)
     if nanotron.is_nanotron_checkpoint(path):
         return nanotron.load_as_transformers(path, o.tokenizer, device=o.device, dtype=o.dtype,
                                              max_length=o.max_length, policy=policy)

@@ -116,7 +116,10 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ep", type=positive_int, default=1, help="expert-parallel degree (--backend megatron)")
     g.add_argument("--tokenizer", default=None,
                    help="tokenizer folder or Hub id, for every checkpoint kind (default: the checkpoint's own; "
-                        "nanotron: its config.yaml's; Megatron: required)")
+                        "nanotron: its config.yaml's; Megatron, torchtitan: required)")
+    g.add_argument("--torchtitan-config", default=None, metavar="MODULE:CONFIG",
+                   help="a torchtitan checkpoint's model: the --module and --config its run was started with (e.g. "
+                        "llama3:llama3_8b; default: the nano_eval_torchtitan.json the training hook wrote)")
     g.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="where the model runs")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="weights and activations (scores are always computed in fp32)")
@@ -173,7 +176,7 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
 
 def load_options(args: argparse.Namespace) -> LoadOptions:
     return LoadOptions(backend=args.backend, tp=args.tp, pp=args.pp, ep=args.ep, tokenizer=args.tokenizer,
-                       device=args.device,
+                       device=args.device, torchtitan_config=args.torchtitan_config,
                        dtype=args.dtype, max_length=args.max_length, trust_remote_code=args.trust_remote_code,
                        allow_symlinks_outside=args.allow_symlinks_outside,
                        max_checkpoint_bytes=args.max_checkpoint_bytes)

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import difflib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
 from nano_eval.engine import BatchingConfig
+from nano_eval.errors import NanoEvalError
+
+SECTION = "nano_eval"  # the trainers' YAML section (nanotron) / file (torchtitan's --nano-eval) of hook options
+ALIASES = {"interval": "every_n_steps", "samples": "max_samples"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,3 +109,37 @@ def sample_caps(specs: list, default: int | None, per_task: Mapping[str, int] | 
         known = ", ".join(s.key for s in specs)
         raise ValueError(f"max_samples_per_task names no evaluated task: {', '.join(unknown)} (tasks: {known})")
     return caps
+
+
+def parse_hook_section(section: Mapping[str, Any] | None, source: str, *, defaults: Mapping[str, Any],
+                       fixed: tuple[str, ...] = (), extra_keys: set[str] = frozenset()
+                       ) -> tuple[EvalHookConfig, dict[str, Any]] | None:
+    """A `nano_eval:` mapping (a trainer's YAML) -> (EvalHookConfig, {extra key: value}); None when it is absent or
+    says `enabled: false`. `defaults` are the trainer's own (its W&B keys), `fixed` the hook keys the trainer sets
+    itself (not accepted here), `extra_keys` the trainer integration's own options.
+
+    Errors name the file, the key and the fix (a typo in a key must not silently turn evaluation off)."""
+    if section is None:
+        return None
+    if not isinstance(section, Mapping):
+        raise NanoEvalError(f"{source}: `{SECTION}:` must be a mapping of options, got {type(section).__name__}")
+    hook_keys = {f.name for f in fields(EvalHookConfig)} - set(fixed)
+    allowed = hook_keys | set(extra_keys) | {"enabled"}
+    values = {ALIASES.get(k, k): v for k, v in section.items()}
+    unknown = sorted(set(values) - allowed, key=str)
+    if unknown:
+        known = sorted(allowed | set(ALIASES))
+        hints = [f"{k} (did you mean {m[0]}?)" if (m := difflib.get_close_matches(str(k), known, n=1)) else str(k)
+                 for k in unknown]
+        raise NanoEvalError(f"{source}: unknown key(s) in `{SECTION}:`: {', '.join(hints)}. Known keys: {', '.join(known)}")
+    if values.pop("enabled", True) is False:
+        return None
+    if not values.get("tasks"):
+        raise NanoEvalError(f"{source}: `{SECTION}:` needs `tasks:` (e.g. \"lighteval|hellaswag|0\"), or `enabled: false`")
+    if isinstance(values["tasks"], (list, tuple)):
+        values["tasks"] = ",".join(values["tasks"])
+    extra = {k: values.pop(k) for k in list(values) if k in extra_keys}
+    try:
+        return EvalHookConfig(**{**defaults, **values}), extra
+    except (TypeError, ValueError) as e:
+        raise NanoEvalError(f"{source}: bad `{SECTION}:` section: {e}") from e

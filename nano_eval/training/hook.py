@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from nano_eval.backends.base import Backend, evaluation_mode
+from nano_eval.backends.base import Backend, evaluation_mode, scoring_session
 from nano_eval.engine import BatchingConfig
 from nano_eval.errors import BadDocumentError, EvaluationFailed, NanoEvalError, describe_failures
 from nano_eval.evaluator import EvalConfig, EvalResults, Evaluator, TaskResult
@@ -224,7 +224,8 @@ class EvalHook:
             with evaluation_mode(None):  # RNG of everything below is restored on the way out
                 error = None
                 try:
-                    results = self._evaluate(step, consumed_tokens)
+                    with scoring_session(self.backend):  # e.g. FSDP2 parameters gathered once for all tasks
+                        results = self._evaluate(step, consumed_tokens)
                 except Exception as e:  # noqa: BLE001
                     error = e
                 # EvaluationFailed: raised on every rank together (nano_eval.agreement), so already agreed on

@@ -21,18 +21,14 @@ the x-axes: eval charts line up with the loss curve.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping, Optional
 
-from nano_eval.errors import NanoEvalError
-from nano_eval.training.config import EvalHookConfig
+from nano_eval.training.config import EvalHookConfig, parse_hook_section
 from nano_eval.training.hook import EvalHook
 
 SECTION = "nano_eval"
-ALIASES = {"interval": "every_n_steps", "samples": "max_samples"}
 NANOTRON_DEFAULTS = {"step_key": "iteration_step", "tokens_key": "consumed_tokens"}  # nanotron's own W&B keys
-HOOK_KEYS = {f.name for f in fields(EvalHookConfig)} - {"publish_rank"}  # the publishing rank follows nanotron
 
 
 @dataclass(frozen=True)
@@ -54,28 +50,12 @@ def parse_eval_section(section: Mapping[str, Any] | None, source: str = "the tra
     """Check and convert the YAML section; None when it is absent or says `enabled: false`.
 
     Errors name the file, the key and the fix (a typo in a key must not silently turn evaluation off)."""
-    if section is None:
+    parsed = parse_hook_section(section, source, defaults=NANOTRON_DEFAULTS, fixed=("publish_rank",),
+                                extra_keys=EXTRA_KEYS - {"enabled"})
+    if parsed is None:
         return None
-    if not isinstance(section, Mapping):
-        raise NanoEvalError(f"{source}: `{SECTION}:` must be a mapping of options, got {type(section).__name__}")
-    values = {ALIASES.get(k, k): v for k, v in section.items()}
-    unknown = sorted(set(values) - HOOK_KEYS - EXTRA_KEYS)
-    if unknown:
-        known = sorted(HOOK_KEYS | EXTRA_KEYS | set(ALIASES))
-        hints = [f"{k} (did you mean {m[0]}?)" if (m := difflib.get_close_matches(k, known, n=1)) else k for k in unknown]
-        raise NanoEvalError(f"{source}: unknown key(s) in `{SECTION}:`: {', '.join(hints)}. Known keys: {', '.join(known)}")
-    if values.pop("enabled", True) is False:
-        return None
-    if not values.get("tasks"):
-        raise NanoEvalError(f"{source}: `{SECTION}:` needs `tasks:` (e.g. \"lighteval|hellaswag|0\"), or `enabled: false`")
-    if isinstance(values["tasks"], (list, tuple)):
-        values["tasks"] = ",".join(values["tasks"])
-    extra = {k: values.pop(k) for k in list(values) if k in EXTRA_KEYS}
-    try:
-        hook = EvalHookConfig(**{**NANOTRON_DEFAULTS, **values})
-        return NanotronEvalOptions(hook=hook, **extra)
-    except (TypeError, ValueError) as e:
-        raise NanoEvalError(f"{source}: bad `{SECTION}:` section: {e}") from e
+    hook, extra = parsed
+    return NanotronEvalOptions(hook=hook, **extra)
 
 
 def config_class():
