@@ -134,9 +134,15 @@ def _sparse(root: Path, outside: Path):
     return "t_sparse", "t.yaml: is more than 4 MiB"
 
 
+def _escaped_name(root: Path, outside: Path):
+    (root / "ok.yaml").write_text(dump(multiple_choice("t_ok")))
+    (root / "evil.yaml").write_text(dump({**multiple_choice("t_evil"), "tag": ["fine", ESC]}))
+    return "t_ok", "evil.yaml: names a task, group or tag '\\x1b[31mred\\nnano_eval: error: forged' with control"
+
+
 FOLDERS = {f.__name__[1:]: f for f in (_fifo_yaml, _fifo_include, _include_outside, _include_absolute,
                                        _yaml_link_out, _function_absolute, _function_installed, _function_fifo,
-                                       _function_link_out, _alias_bomb, _deep, _huge, _sparse)}
+                                       _function_link_out, _alias_bomb, _deep, _huge, _sparse, _escaped_name)}
 
 
 @pytest.mark.parametrize("name", list(FOLDERS))

@@ -12,6 +12,8 @@ lm-eval sees the folder, `IncludeRoot.scan` reads it by nano_eval's rule:
   that leads out is refused; one to a file inside is followed), of at most TASK_FILE_BYTES, as UTF-8.
 - Every YAML file's structure is bounded before any parser builds it (local_files.compose_yaml): at most YAML_NODES
   nodes once its aliases are expanded, at most YAML_DEPTH levels deep, no alias that contains itself.
+- Task, group and tag names are printable (lm-eval prints them as they are: a name holding a terminal escape or
+  a newline and a forged `nano_eval: error:` line is refused; nano_eval escapes every other name it prints).
 - `include:` must name a file inside the folder. `!function` must name a Python file inside the folder (`utils.fn`:
   `utils.py` next to the YAML, as lm-eval resolves it), or a function of lm-eval's own catalogue
   (`lm_eval.tasks.<...>`: code lm-eval ships, which nano_eval runs for lm-eval's own tasks too). Anything else (an
@@ -185,6 +187,11 @@ class IncludeRoot:
                 self.skipped[real] = f"not valid YAML ({' '.join(str(e).split())[:200]})"
                 continue
             self.yamls[real] = text
+            for name in _names(node):
+                if not name.isprintable():
+                    raise LocalFileError(real, f"names a task, group or tag '{printable(name)}' with control "
+                                         "characters (lm-eval prints names to the terminal as they are)",
+                                         "use a name of printable characters")
             for value in _include_values(node):
                 target = real.parent / value
                 inside = self._inside(target, real, FIX_REFERENCE)
@@ -294,6 +301,20 @@ def _include_values(node) -> list[str]:
             items = value.value if isinstance(value, yaml.SequenceNode) else [value]
             return [item.value for item in items if isinstance(item, yaml.ScalarNode) and item.value]
     return []
+
+
+def _names(node) -> list[str]:
+    """The `task:`, `group:` and `tag:` names of a composed top-level mapping (scalars, or lists of scalars)."""
+    import yaml
+
+    if not isinstance(node, yaml.MappingNode):
+        return []
+    out = []
+    for key, value in node.value:
+        if isinstance(key, yaml.ScalarNode) and key.value in ("task", "group", "tag"):
+            items = value.value if isinstance(value, yaml.SequenceNode) else [value]
+            out += [item.value for item in items if isinstance(item, yaml.ScalarNode)]
+    return out
 
 
 def _function_values(root) -> list[str]:
