@@ -177,12 +177,12 @@ def inc_yaml(world, rng) -> str:
     elif choice == 2:
         os.mkfifo(root / "fifo_template")
         target = rng.choice(["fifo_template", "../outside/template.yaml", str(outside / "template.yaml"),
-                             "missing_template", path.name])
+                             "missing_template", path.name, "nul\0name", "x" * 5000])
         line = f"include: {json.dumps(target)}\n"
     elif choice == 3:
         target = rng.choice([f"{outside}/mod.pr", "os.system", "utils.missing", "missing_module.fn",
                              "lm_eval.tasks.hellaswag.utils.process_docs", "../outside/mod.pr", "builtins.exec",
-                             "utils", "utils.mc_results"])
+                             "utils", "utils.mc_results", '"nul\\0name.fn"'])
         line = f"process_results: !function {target}\n"
     elif choice == 4:
         bomb = ["  a0: &a0 [x, x, x, x, x, x, x, x, x, x]"] + [

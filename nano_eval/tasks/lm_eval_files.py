@@ -132,6 +132,8 @@ class IncludeRoot:
     def _inside(self, path: Path, named_by: Path, fix: str) -> Path | None:
         """The real path of `path` (inside the root, or LocalFileError naming `named_by`); None if nothing is
         there."""
+        if "\0" in str(path):
+            raise LocalFileError(named_by, f"names {printable(str(path))}, a path with a NUL character", fix)
         try:
             real = resolve_inside(path, self.root, fix)
         except LocalFileError as e:
