@@ -14,7 +14,8 @@ lm-eval sees the folder, `IncludeRoot.scan` reads it by nano_eval's rule:
   nodes once its aliases are expanded, at most YAML_DEPTH levels deep, no alias that contains itself.
 - Task, group and tag names are printable (lm-eval prints them as they are: a name holding a terminal escape or
   a newline and a forged `nano_eval: error:` line is refused; nano_eval escapes every other name it prints).
-- `include:` must name a file inside the folder. `!function` must name a Python file inside the folder (`utils.fn`:
+- `include:` must name a file inside the folder, or a YAML of lm-eval's own catalogue (`include:
+  .../lm_eval/tasks/arc/arc_easy.yaml`, read by lm-eval as it reads its own tasks). `!function` must name a Python file inside the folder (`utils.fn`:
   `utils.py` next to the YAML, as lm-eval resolves it), or a function of lm-eval's own catalogue
   (`lm_eval.tasks.<...>`: code lm-eval ships, which nano_eval runs for lm-eval's own tasks too). Anything else (an
   absolute path or `..` leading out, an installed module such as `os.system`) is refused, naming the YAML.
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib
 import linecache
 import logging
@@ -196,6 +198,9 @@ class IncludeRoot:
                                          "use a name of printable characters")
             for value in _include_values(node):
                 target = real.parent / value
+                if "\0" not in value and in_catalogue(target) and os.path.isfile(target):
+                    self.includes[(real, value)] = Path(os.path.realpath(target))  # lm-eval's own: lm-eval reads it
+                    continue
                 inside = self._inside(target, real, FIX_REFERENCE)
                 if inside is None:
                     continue  # lm-eval fails on a missing include, skipping the task: left to it
@@ -232,11 +237,12 @@ class IncludeRoot:
 
     # -- what lm-eval reads --
 
-    def load(self, real: Path, resolve_func: bool, recursive: bool, seen: set[Path]) -> dict:
+    def load(self, real: Path, resolve_func: bool, recursive: bool, seen: set[Path], lm_eval_load) -> dict:
         """lm-eval's `load_yaml` on the vetted texts: the YAML `real` as a dict, its `include:`s merged under it
         (the including file's keys win, an included `task_list` is dropped, a file met twice is an include cycle:
         lm-eval's rules), `!function` values as lm-eval gives them (a path string while indexing, the function
-        when `resolve_func`)."""
+        when `resolve_func`). An included file of lm-eval's own catalogue is read by `lm_eval_load` (lm-eval's
+        loader)."""
         import yaml
 
         if real in seen:
@@ -255,7 +261,10 @@ class IncludeRoot:
             target = self.includes.get((real, value)) if isinstance(value, str) else None
             if target is None:
                 raise FileNotFoundError(f"{real}: include {value!r} names no file of the include folder")
-            included = self.load(target, resolve_func, True, seen)
+            if target not in self.yamls and in_catalogue(target):
+                included = lm_eval_load(target, resolve_func=resolve_func, recursive=True, _seen=seen)
+            else:
+                included = self.load(target, resolve_func, True, seen, lm_eval_load)
             included.pop("task_list", None)
             merged.update(included)
         merged.update(config)
@@ -290,6 +299,20 @@ class IncludeRoot:
         if path is None and not str(getattr(obj, "__module__", "")).startswith(CATALOGUE_MODULES):
             raise ImportError(f"`!function {spec}` names {name}, which lm-eval's catalogue does not define")
         return obj
+
+
+@functools.lru_cache(maxsize=1)
+def catalogue_dir() -> str:
+    """The real path of lm-eval's own task folder (its installed catalogue)."""
+    import lm_eval
+
+    return os.path.realpath(Path(lm_eval.__file__).parent / "tasks")
+
+
+def in_catalogue(path: str | Path) -> bool:
+    """`path`, once its links are resolved, lies in lm-eval's own task folder."""
+    real, folder = os.path.realpath(path), catalogue_dir()
+    return real == folder or real.startswith(folder + os.sep)
 
 
 def _include_values(node) -> list[str]:
@@ -387,13 +410,12 @@ def vetted_loading(roots: Sequence[IncludeRoot]) -> Iterator[None]:
     """While the block runs (lm-eval's TaskManager built, or tasks loaded; callers hold their module lock), lm-eval
     lists and reads the files of `roots` from their snapshots; a path below a root that the scan did not read is
     refused; files elsewhere (lm-eval's catalogue) are read by lm-eval as usual."""
-    import lm_eval.tasks as catalogue
     from lm_eval.tasks import _factory, _index, manager
 
     index_cls = _index.TaskIndex
     original_load, original_iter, original_build = _index.load_yaml, index_cls._iter_yaml_files, index_cls.build
     by_root = {view.root: view for view in roots}
-    own = Path(catalogue.__file__).resolve().parent
+    own = Path(catalogue_dir())
 
     def find(path) -> tuple[IncludeRoot | None, Path | None]:
         path = Path(path)
@@ -414,7 +436,7 @@ def vetted_loading(roots: Sequence[IncludeRoot]) -> Iterator[None]:
             return original_load(path, resolve_func=resolve_func, recursive=recursive, _seen=_seen)
         if real is None:
             raise LocalFileError(path, "was not in the include folder when nano_eval read it", "run again")
-        return view.load(real, resolve_func, recursive, set())
+        return view.load(real, resolve_func, recursive, set(), original_load)
 
     def iter_yaml_files(root):
         view = by_root.get(Path(os.path.realpath(root)))

@@ -37,8 +37,9 @@ import sys
 import sysconfig
 import types
 from dataclasses import fields, is_dataclass
-from pathlib import Path
 from typing import Any
+
+from nano_eval.tasks.lm_eval_files import catalogue_dir, vetted_source
 
 # Modules whose use means a request leaves the machine: web-API clients, HTTP and socket libraries, and lm-eval's
 # model wrappers (its API models, or any second model used as a judge). A name matches itself and its submodules.
@@ -75,20 +76,13 @@ def _library_dirs() -> tuple[str, ...]:
     return tuple(sorted(os.path.realpath(d) for d in dirs if d))
 
 
-@functools.lru_cache(maxsize=1)
-def _lm_eval_tasks_dir() -> str:
-    import lm_eval
-
-    return os.path.realpath(Path(lm_eval.__file__).parent / "tasks")
-
-
 def is_task_code(filename: str) -> bool:
     """Code in `filename` belongs to a task (lm-eval's tasks/ folder, or any file outside the installed libraries
     and the standard library: the user's include path), not to a library."""
     if not filename or filename.startswith("<"):
         return False
     path = os.path.realpath(filename)
-    if _under(path, _lm_eval_tasks_dir()):
+    if _under(path, catalogue_dir()):
         return True
     return not any(_under(path, d) for d in _library_dirs())
 
@@ -130,7 +124,6 @@ def _source(filename: str) -> str:
     """The source a task module was run from: what nano_eval vetted for an include folder's file, else the file read
     by local_files' rule (a regular file, never blocked on; a FIFO or a file past 16 MiB reads as nothing)."""
     from nano_eval.local_files import LocalFileError, read_bytes
-    from nano_eval.tasks.lm_eval_files import vetted_source
 
     source = vetted_source(filename)
     if source is not None:
