@@ -35,8 +35,11 @@ are the user's code, as `--custom-tasks` files are: they run, with the process's
 loads (never while the folder is indexed), compiled from the source the scan read (`user_module`; tracebacks show
 that source, never reopening the file). Jinja in the YAMLs renders in a sandbox (nano_eval.tasks.lm_eval_tasks).
 
-lm-eval's own catalogue (~14,000 YAMLs, installed with it) is indexed once per process and reused by every
-TaskManager (`_catalogue_index`): only an include folder is indexed again.
+The snapshot is taken once per process and include path, when its TaskManager is built (nano_eval.tasks.
+lm_eval_tasks), as lm-eval's index is: edits made later are seen by the next process (a sweep fingerprints the folder
+when its tasks load, so it never reuses results scored with older files). lm-eval's own catalogue (~14,000 YAMLs,
+installed with it) is indexed once per process and reused by every TaskManager (`_catalogue_index`): only an include
+folder is indexed again.
 """
 
 from __future__ import annotations
