@@ -140,14 +140,14 @@ def inc_special(world, rng) -> str:
 
 
 def inc_link(world, rng) -> str:
-    """A file replaced by a symlink: out of the folder (to a copy), or to a copy inside."""
+    """A file replaced by a symlink: out of the folder (to a copy), or to a copy inside, next to it (a YAML's
+    `include:` and `!function` resolve next to the file a link points to, as in lm-eval)."""
     path = rng.choice(include_files(world))
     if rng.random() < 0.5:
         target = world["outside"] / f"copy_{path.name}"
         where = "outside"
     else:
-        target = world["root"] / "shared" / path.name
-        target.parent.mkdir(exist_ok=True)
+        target = path.parent / f"{path.name}.real"
         where = "inside"
     shutil.copy(path, target)
     path.unlink()
