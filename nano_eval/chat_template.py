@@ -1,24 +1,29 @@
-"""A tokenizer's chat template, rendered as untrusted code with bounded time and memory.
+"""Jinja templates from files, rendered as untrusted code with bounded time and memory: a tokenizer's chat template,
+and the prompt fields of an lm-eval task YAML (`doc_to_text`, `doc_to_choice`, ...: nano_eval.tasks.lm_eval_tasks).
 
-A chat template is a Jinja program that comes with the checkpoint (tokenizer_config.json or chat_template.jinja).
-transformers renders it in Jinja's sandbox, which stops it from reaching Python internals but not from looping
-for hours (`range(100000)` inside `range(100000)`), building a 5 GB string (`'x' * 5000000000`) or recursing
-until Python gives up. `ChatTemplate` renders it in the same sandbox, with the same globals and filters as
-transformers (so a genuine template renders the same text), and with a budget per rendering:
+A chat template is a Jinja program that comes with the checkpoint (tokenizer_config.json or chat_template.jinja);
+an lm-eval task's fields come with its YAML. transformers renders chat templates in Jinja's sandbox, which stops
+them from reaching Python internals but not from looping for hours (`range(100000)` inside `range(100000)`),
+building a 5 GB string (`'x' * 5000000000`) or recursing until Python gives up; lm-eval renders its fields with no
+sandbox at all (`{{ cycler.__init__.__globals__.os.system(...) }}` runs a command). `SandboxedTemplate` renders in
+Jinja's immutable sandbox, configured as the caller's own environment (`bounded_environment`: transformers' globals
+and filters for a chat template, lm-eval's for a task field, so a genuine template renders the same text), with a
+budget per rendering:
 
 - steps: every loop iteration, call, attribute or item lookup, filter and operator counts one; at most
-  `MAX_STEPS` + `STEPS_PER_MESSAGE` per message (a genuine template takes tens per message), and at most
-  `MAX_SECONDS` of wall time;
+  `MAX_STEPS` + `STEPS_PER_MESSAGE` per message (per `items` of the input; a genuine template takes tens per
+  message), and at most `MAX_SECONDS` of wall time;
 - size: no string or list the template builds (by `*`, `+`, `~`, `%`, a filter or a method) and not the output
-  may be longer than `max_chars` (1 MiB + 16 x the characters of the messages), and all it builds together no
+  may be longer than `max_chars` (1 MiB + 16 x the characters of the input), and all it builds together no
   more than `TOTAL_SIZES` x that; sizes are checked before the operation where the operation could allocate
   without bound (repetition, padding, `replace`, `join`), after it otherwise;
 - numbers: integers of more than `MAX_INT_BITS` bits are refused (`9 ** 99999`);
 - the template itself: at most `MAX_TEMPLATE_CHARS` (compiling 1 MB of `{{ x }}` took 24 s and 1.3 GB; genuine
   templates, tool-calling ones included, are under 20k characters).
 
-A template past a limit, one that does not compile, raises or recurses past Python's limit is refused with a
-`ChatTemplateError` (a NanoEvalError: one line, exit code 2) naming the tokenizer and the fix.
+A template past a limit, one that does not compile, raises or recurses past Python's limit raises
+`TemplateRefused` (one line saying what it did); `ChatTemplate` turns that into a `ChatTemplateError` (a
+NanoEvalError: one line, exit code 2) naming the tokenizer and the fix.
 """
 
 from __future__ import annotations
@@ -97,14 +102,15 @@ def _sandbox_class():
         def step(self, n: int = 1) -> None:
             self.steps_left -= n
             if self.steps_left < 0:
-                raise _OverBudget("takes more steps than any chat template needs (a loop or recursion without end?)")
+                raise _OverBudget("takes more steps than any genuine template needs (a loop or recursion without "
+                                  "end?)")
             if time.monotonic() > self.deadline:
-                raise _OverBudget(f"takes more than {MAX_SECONDS:g}s for one prompt")
+                raise _OverBudget(f"takes more than {MAX_SECONDS:g}s for one rendering")
 
         def size(self, n: int, what: str) -> None:
             if n > self.max_chars:
-                raise _OverBudget(f"builds a {what} of {n:,} items, more than the {self.max_chars:,} a prompt of "
-                                  "these messages may need")
+                raise _OverBudget(f"builds a {what} of {n:,} items, more than the {self.max_chars:,} a text from "
+                                  "this input may need")
 
         def bounded_value(self, value):
             self.step()
@@ -252,23 +258,72 @@ def _bounded_lipsum(env, lipsum):
     return bounded
 
 
-def _environment():
-    """A BoundedSandbox configured as transformers configures its chat-template environment (its globals,
-    filters and extensions, taken from a template transformers compiles), every filter bounded."""
+def bounded_environment(options: dict[str, Any], globals_: dict[str, Any], filters: dict[str, Any]):
+    """A BoundedSandbox made with the Jinja Environment keyword arguments `options`, holding `globals_` and
+    `filters` (on top of Jinja's own), every filter bounded; `lipsum` bounded too."""
     import jinja2
-    from transformers.utils.chat_template_utils import _compile_jinja_template
 
-    reference = _compile_jinja_template("").environment
-    env = _sandbox_class()(trim_blocks=True, lstrip_blocks=True,
-                           extensions=[type(e) for e in reference.extensions.values()])
-    env.globals.update(reference.globals)
+    env = _sandbox_class()(**options)
+    env.globals.update(globals_)
     if "lipsum" in env.globals:
         env.globals["lipsum"] = _bounded_lipsum(env, env.globals["lipsum"])
-    filters = {**env.filters, **reference.filters}
+    filters = {**env.filters, **filters}
     filters["nano_eval_bounded"] = jinja2.pass_environment(lambda e, v: e.bounded_value(v))
     env.filters = {name: f if name == "nano_eval_bounded" else _bounded_filter(env, name, f)
                    for name, f in filters.items()}
     return env
+
+
+class TemplateRefused(Exception):
+    """A template that cannot be compiled or rendered within its budget; the message says what it did, on one
+    line (the caller names the file and the fix)."""
+
+
+class SandboxedTemplate:
+    """`source` compiled in `env` (a `bounded_environment`); `render(variables, input_chars, items)` -> the text,
+    within the budget for an input of `input_chars` characters and `items` messages (or fields)."""
+
+    def __init__(self, env, source: str):
+        self.env = env
+        if len(source) > MAX_TEMPLATE_CHARS:
+            raise TemplateRefused(f"is {len(source):,} characters long, more than any template needs "
+                                  f"({MAX_TEMPLATE_CHARS:,}); compiling it would take minutes and gigabytes")
+        try:
+            self.template = env.from_string(source)
+        except RecursionError:
+            raise TemplateRefused("nests deeper than Python can compile") from None
+        except Exception as e:  # noqa: BLE001 -- jinja2.TemplateSyntaxError and the errors of its extensions
+            raise TemplateRefused(f"does not compile ({type(e).__name__}: {_one_line(e)})") from None
+
+    def render(self, variables: dict[str, Any], input_chars: int, items: int) -> str:
+        self.env.start(MAX_STEPS + STEPS_PER_MESSAGE * items, BASE_CHARS + CHARS_PER_INPUT_CHAR * input_chars)
+        out, n = [], 0
+        try:
+            for chunk in self.template.generate(**variables):
+                n += len(chunk)
+                self.env.size(n, "text")
+                self.env.step()
+                out.append(chunk)
+        except _OverBudget as e:
+            raise TemplateRefused(str(e)) from None
+        except RecursionError:
+            raise TemplateRefused("recurses past Python's limit") from None
+        except MemoryError:
+            raise TemplateRefused("ran out of memory") from None
+        except Exception as e:  # noqa: BLE001 -- raise_exception(), undefined names, type errors: the template's own
+            raise TemplateRefused(f"fails ({type(e).__name__}: {_one_line(e)})") from None
+        return "".join(out)
+
+
+def _environment():
+    """A bounded environment configured as transformers configures its chat-template environment (its globals,
+    filters and extensions, taken from a template transformers compiles)."""
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    reference = _compile_jinja_template("").environment
+    return bounded_environment(
+        {"trim_blocks": True, "lstrip_blocks": True, "extensions": [type(e) for e in reference.extensions.values()]},
+        reference.globals, reference.filters)
 
 
 class ChatTemplate:
@@ -278,37 +333,18 @@ class ChatTemplate:
     def __init__(self, source: str, name: str, variables: dict[str, Any] | None = None):
         self.name = name
         self.variables = dict(variables or {})
-        self.env = _environment()
-        if len(source) > MAX_TEMPLATE_CHARS:
-            raise self._error(f"is {len(source):,} characters long, more than any chat template "
-                              f"({MAX_TEMPLATE_CHARS:,}); compiling it would take minutes and gigabytes")
         try:
-            self.template = self.env.from_string(source)
-        except RecursionError:
-            raise self._error("nests deeper than Python can compile") from None
-        except Exception as e:  # noqa: BLE001 -- jinja2.TemplateSyntaxError and the errors of its extensions
-            raise self._error(f"does not compile ({type(e).__name__}: {_one_line(e)})") from None
+            self.template = SandboxedTemplate(_environment(), source)
+        except TemplateRefused as e:
+            raise self._error(str(e)) from None
 
     def render(self, messages: list[dict]) -> str:
         chars = sum(len(str(m.get("content", ""))) for m in messages)
-        self.env.start(MAX_STEPS + STEPS_PER_MESSAGE * len(messages), BASE_CHARS + CHARS_PER_INPUT_CHAR * chars)
-        out, n = [], 0
         try:
-            for chunk in self.template.generate(**self.variables, messages=messages, tools=None, documents=None,
-                                                add_generation_prompt=True):
-                n += len(chunk)
-                self.env.size(n, "prompt")
-                self.env.step()
-                out.append(chunk)
-        except _OverBudget as e:
+            return self.template.render({**self.variables, "messages": messages, "tools": None, "documents": None,
+                                         "add_generation_prompt": True}, chars, len(messages))
+        except TemplateRefused as e:
             raise self._error(str(e)) from None
-        except RecursionError:
-            raise self._error("recurses past Python's limit") from None
-        except MemoryError:
-            raise self._error("ran out of memory") from None
-        except Exception as e:  # noqa: BLE001 -- raise_exception(), undefined names, type errors: the template's own
-            raise self._error(f"fails ({type(e).__name__}: {_one_line(e)})") from None
-        return "".join(out)
 
     def _error(self, what: str) -> ChatTemplateError:
         return ChatTemplateError(

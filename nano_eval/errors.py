@@ -17,10 +17,25 @@ class BadDocumentError(NanoEvalError):
         super().__init__(message)
         self.task = task
 
+    def __reduce__(self):  # errors travel between ranks pickled
+        return _with_task, (type(self), str(self), self.task)
+
+
+def _with_task(cls: type, message: str, task: str) -> NanoEvalError:
+    """Unpickles an error made with (message, task=...)."""
+    return cls(message, task=task)
+
 
 class UnsupportedTaskError(BadDocumentError):
     """A task uses something nano_eval cannot run (a metric, a config field, a prompt template); raised when the task
     is selected, so the other tasks of its file still list and run (the training hook skips it with a warning)."""
+
+
+class TaskCodeError(BadDocumentError):
+    """A task's own code (an lm-eval task's hooks, metrics or Task class: the include path's Python, or lm-eval's
+    catalogue) raised what would end the process (`sys.exit`: SystemExit, or another BaseException but Ctrl-C's
+    KeyboardInterrupt) while the task loaded, built its requests or was scored: that task fails, in one line, and
+    the others go on (the training hook goes on training)."""
 
 
 class NonFiniteScoreError(NanoEvalError):
@@ -32,7 +47,7 @@ class NonFiniteScoreError(NanoEvalError):
         self.task = task
 
     def __reduce__(self):  # errors travel between ranks pickled
-        return type(self), (str(self),), {"task": self.task}
+        return _with_task, (type(self), str(self), self.task)
 
 
 class TasksFailedError(NanoEvalError):

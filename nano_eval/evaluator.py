@@ -17,9 +17,10 @@ import torch.distributed as dist
 from nano_eval.agreement import message_of
 from nano_eval.backends.base import Backend, evaluation_mode, scoring_session
 from nano_eval.engine import WORK_COUNTS, BatchingConfig, Engine
-from nano_eval.errors import NonFiniteScoreError
+from nano_eval.errors import NonFiniteScoreError, TaskCodeError
 from nano_eval.finite import check_finite
 from nano_eval.generate import GenerationResult
+from nano_eval.local_files import printable, single_line
 from nano_eval.parallel import any_rank_true, sum_over_dp
 from nano_eval.response import ModelResponse
 from nano_eval.tasks import Task, TaskSpec, build_requests
@@ -53,7 +54,9 @@ class EvalResults:
     tasks: dict[str, TaskResult]
     timings: dict[str, float]
     failed: dict[str, str] = field(default_factory=dict)  # task key -> why it failed while being scored
-    non_finite: list[str] = field(default_factory=list)  # those of `failed` that got NaN / inf (nano_eval.finite)
+    # those of `failed` that are bad input, for the caller to report in one line: NaN / inf scores (nano_eval.finite),
+    # task code that would have ended the process (errors.TaskCodeError)
+    non_finite: list[str] = field(default_factory=list)
     # scoring work per request type, summed over data-parallel ranks (results.json's "positions"): forwards, token
     # positions given to the model (rows x columns), the padding among them, positions through the output layer
     work: dict[str, dict[str, int]] = field(default_factory=dict)
@@ -67,11 +70,15 @@ class EvalResults:
                     continue
                 metric, comma, filtered = name.partition(",")
                 err = tr.metrics.get(f"{metric}_stderr{comma}{filtered}", math.nan)
-                rows.append((key, str(tr.version), name, f"{value:.4f}", f"{err:.4f}", str(tr.num_docs)))
+                rows.append((printable(key), printable(str(tr.version)), printable(name), f"{value:.4f}", f"{err:.4f}",
+                             str(tr.num_docs)))  # names from task files, printed escaped
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
         return "\n".join(lines)
+
+
+ONE_LINE_FAILURES = (NonFiniteScoreError, TaskCodeError)  # a task's failures that are bad input, not a bug
 
 
 @dataclass
@@ -139,8 +146,9 @@ class Evaluator:
         """Every rank calls it; every rank returns the same results. A fault outside the forwards on any rank raises
         the same EvaluationFailed on every rank (nano_eval.agreement). A task whose scoring fails on any rank is
         listed in `failed` on every rank and the others are still scored: a metric's error is printed with its
-        traceback; a model that gave NaN / inf scores (nano_eval.finite, decided after the gather, so alike on every
-        rank) is listed in `non_finite` too and left to the caller to report (one line, exit code 2)."""
+        traceback; a task that got NaN / inf scores from the model or its metric code (nano_eval.finite, decided after
+        the gather, so alike on every rank), or whose code would have ended the process (errors.TaskCodeError), is
+        listed in `non_finite` too and left to the caller to report (one line, exit code 2)."""
         start = time.perf_counter()
         with evaluation_mode(getattr(self.backend, "module", None)), scoring_session(self.backend):
             raw, timings, work = self.run_requests()
@@ -154,7 +162,7 @@ class Evaluator:
             except Exception as e:  # noqa: BLE001 -- reported, and listed in EvalResults.failed
                 errors[p.spec.key] = e
         failed = self._failed_on_any_rank(errors)
-        non_finite = [key for key, e in errors.items() if isinstance(e, NonFiniteScoreError)]
+        non_finite = [key for key, e in errors.items() if isinstance(e, ONE_LINE_FAILURES)]
         for key in failed:
             tasks.pop(key, None)
         if self.backend.layout.is_main:
@@ -179,12 +187,13 @@ class Evaluator:
                 if key in failed:
                     continue
                 failed[key] = why if len(every) == 1 or all(key in p for p in every) else f"on rank {rank}: {why}"
-                if isinstance(errors.get(key), NonFiniteScoreError):
-                    continue  # the checkpoint, not the task: one line, printed by the caller
+                if isinstance(errors.get(key), ONE_LINE_FAILURES):
+                    continue  # bad input, not a bug: one line, printed by the caller
                 if key in errors and rank == lay.rank:
                     traceback.print_exception(errors[key])
                 if lay.is_main:
-                    print(f"nano_eval: error: task {key} failed while being scored: {failed[key]}",
+                    print(f"nano_eval: error: task {printable(key)} failed while being scored: "
+                          f"{single_line(failed[key])}",
                           file=sys.stderr, flush=True)
         return failed
 

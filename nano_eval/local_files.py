@@ -10,7 +10,8 @@ own files go through `checkpoints/untrusted.py`). The rule, for every such file:
 - **Only regular files are opened**, with `O_NOFOLLOW | O_NONBLOCK` and checked with `fstat` on the open descriptor
   (no race between the check and the read): a FIFO, socket or device never blocks a read, a symlink never leads
   elsewhere.
-- **Sizes are bounded before reading** (`read_bytes(..., limit)`), JSON is parsed with its depth and type checked.
+- **Sizes are bounded before reading** (`read_bytes(..., limit)`), JSON is parsed with its depth and type checked,
+  YAML is composed with its expanded size and nesting bounded before any parser builds it (`compose_yaml`).
 - **Nothing read is executed or unpickled.** State is plain JSON, validated by whoever reads it.
 - **Writes are atomic** (`atomic_write_bytes`: a temporary file in the real target folder, then a rename that
   replaces the name, never what a symlink points at); **removals** (`remove_file`) unlink names of regular files or
@@ -419,3 +420,65 @@ def folder_fingerprint(root: str | Path, wanted, *, fix: str) -> str:
                 raise LocalFileError(root, f"holds more than {FINGERPRINT_BYTES} bytes of files to fingerprint", fix)
             entries.append(f"{path.relative_to(root)} {hashlib.sha256(data).hexdigest()}")
     return hashlib.sha256("\n".join(sorted(entries)).encode("utf-8", "surrogateescape")).hexdigest()[:16]
+
+
+class YamlShapeError(ValueError):
+    """A YAML document past `compose_yaml`'s bounds; the message says how (one line, without the file's name)."""
+
+
+def compose_yaml(text: str, *, max_nodes: int, max_depth: int | None = None):
+    """The YAML document `text` as PyYAML's node graph (None when empty), composed by the pure-Python parser (libyaml's
+    composer recurses in C: 100,000 `[` crash the process), and checked before anything builds it: at most
+    `max_nodes` nodes once every alias is expanded (a "billion laughs" file is refused at once, its aliases counted
+    without expanding them), nesting at most `max_depth` deep counting through aliases (None: only the parser's
+    own limit), no alias containing itself. Tags are not interpreted (a `!function` node is a node). Raises
+    YamlShapeError past a bound, yaml.YAMLError for text that is no YAML."""
+    import yaml
+
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except RecursionError:
+        raise YamlShapeError("nests YAML deeper than the parser can follow") from None
+    if node is not None:
+        _yaml_extent(node, max_nodes, max_depth)
+    return node
+
+
+def _yaml_extent(root, max_nodes: int, max_depth: int | None) -> None:
+    """Nodes and depth of the document with every alias expanded, computed without expanding (a shared node is
+    counted once per reference); iterative, so depth costs no recursion."""
+    sizes: dict[int, tuple[int, int]] = {}  # id(node) -> (expanded nodes, depth)
+    on_path: set[int] = set()
+    stack = [(root, False)]
+    while stack:
+        node, done = stack.pop()
+        key = id(node)
+        if done:
+            on_path.discard(key)
+            children = [sizes[id(c)] for c in yaml_children(node)]
+            total = 1 + sum(n for n, _ in children)
+            depth = 1 + max((d for _, d in children), default=0)
+            if total > max_nodes:
+                raise YamlShapeError(f"expands to more than {max_nodes:,} YAML nodes through its aliases")
+            if max_depth is not None and depth > max_depth:
+                raise YamlShapeError(f"nests YAML more than {max_depth} levels deep")
+            sizes[key] = (total, depth)
+            continue
+        if key in sizes:
+            continue
+        if key in on_path:
+            raise YamlShapeError("holds a YAML alias that contains itself")
+        on_path.add(key)
+        stack.append((node, True))
+        stack.extend((c, False) for c in yaml_children(node) if id(c) not in sizes)
+
+
+def yaml_children(node) -> list:
+    """The nodes directly inside a composed YAML node (a mapping's keys and values, a sequence's items)."""
+    import yaml
+
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    if isinstance(node, yaml.MappingNode):
+        return [x for pair in node.value for x in pair]
+    return []

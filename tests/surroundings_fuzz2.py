@@ -35,19 +35,15 @@ finished_identity on the earlier results, then tracking.results.write_results of
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import io
 import json
 import os
-import random
 import shutil
-import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from tests.fuzz_case import cap_memory, run_case, snapshot
+from tests.fuzz_case import crash as _crash, fuzz_main, run_cases, snapshot
 
 CASE_ALARM_S = 60
 CAP_BYTES = 4 << 30
@@ -55,12 +51,6 @@ TASK = "demo|arithmetic|0"
 TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}\n{% else %}"
             "{{ '<|' + m['role'] + '|>' + m['content'] + eos_token }}\n{% endif %}{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-
-
-def _crash(e: BaseException) -> tuple[str, str]:
-    import traceback
-
-    return ("memory" if isinstance(e, MemoryError) else "crash"), "".join(traceback.format_exception(e))[-1500:]
 
 
 def _refused(e: BaseException) -> tuple[str, str]:
@@ -498,48 +488,20 @@ def run(surface: str, work: Path, seed: int, cases: int) -> dict:
         genuine = build_toy_checkpoint(work / "genuine")
         edit_json(genuine / "tokenizer_config.json", lambda c: c.__setitem__("chat_template", TEMPLATE))
         reference = tokenizer_fingerprint(build_tokenizer_world(work / "control", genuine))
-        mutations = TOKENIZER_MUTATIONS
     else:
         outputs_case(build_outputs_world(work / "control"))  # imports everything, before the limit
-        mutations = OUTPUT_MUTATIONS
-    _, uncap = cap_memory(CAP_BYTES)
-    rng = random.Random(seed)
-    out = []
-    start = time.perf_counter()
-    for i in range(cases):
-        case = work / f"case_{i}"
-        if surface == "tokenizer":
-            world = build_tokenizer_world(case, genuine)
-            once = lambda: tokenizer_case(world, reference)  # noqa: E731
-        else:
-            world = build_outputs_world(case)
-            once = lambda: outputs_case(world)  # noqa: E731
-        what = rng.choice(mutations)(world, rng)
-        print(f"case {i}: {what}", file=sys.stderr, flush=True)  # the last one, should it kill us
-        t0 = time.perf_counter()
-        try:
-            outcome, message = run_case(once, CASE_ALARM_S)
-        except BaseException as e:  # noqa: BLE001 - e.g. the victim snapshot itself failing
-            outcome, message = _crash(e)
-        out.append({"mutation": what, "outcome": outcome, "message": message[:500],
-                    "seconds": round(time.perf_counter() - t0, 3)})
-        shutil.rmtree(case, ignore_errors=True)
-    uncap()
-    return {"surface": surface, "seed": seed, "cases": out, "seconds": round(time.perf_counter() - start, 1)}
+    if surface == "tokenizer":
+        got, seconds = run_cases(work, seed, cases, lambda case: build_tokenizer_world(case, genuine),
+                                 TOKENIZER_MUTATIONS, lambda world: tokenizer_case(world, reference), CASE_ALARM_S,
+                                 CAP_BYTES)
+    else:
+        got, seconds = run_cases(work, seed, cases, build_outputs_world, OUTPUT_MUTATIONS, outputs_case,
+                                 CASE_ALARM_S, CAP_BYTES)
+    return {"surface": surface, "seed": seed, "cases": got, "seconds": seconds}
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("surface", choices=["tokenizer", "outputs"])
-    p.add_argument("work", type=Path)
-    p.add_argument("report", type=Path)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cases", type=int, default=50)
-    a = p.parse_args(argv)
-    a.work.mkdir(parents=True, exist_ok=True)
-    report = run(a.surface, a.work, a.seed, a.cases)
-    a.report.write_text(json.dumps(report, indent=1))
-    return 0
+    return fuzz_main(run, ["tokenizer", "outputs"], argv)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ import json
 import os
 import pickle
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -23,27 +22,13 @@ from pathlib import Path
 import pytest
 
 from nano_eval.cli import main
-from tests.fuzz_case import snapshot
+from tests.fuzz_case import snapshot, within
 
 TASK = "demo|arithmetic|0"
 DETAILS = "demo_arithmetic_0.jsonl"
 
 
 # ---- helpers ------------------------------------------------------------------------------------------------------
-
-def within(seconds: int, fn, *args):
-    """fn(*args), failed if it has not returned after `seconds` (an alarm interrupts a blocking open or read)."""
-    def timeout(signum, frame):
-        raise AssertionError(f"did not end within {seconds}s (blocked on a FIFO?)")
-
-    previous = signal.signal(signal.SIGALRM, timeout)
-    signal.alarm(seconds)
-    try:
-        return fn(*args)
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
-
 
 def errors(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith("nano_eval: error:")]

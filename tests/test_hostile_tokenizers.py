@@ -75,7 +75,7 @@ def _gigabyte_template(folder: Path) -> None:
 CASES = {
     "template: nested range(100000) loops": (
         *_template("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}x"),
-        "takes more steps than any chat template needs", ["--use-chat-template"]),
+        "takes more steps than any genuine template needs", ["--use-chat-template"]),
     "template: 'x' * 5000000000": (*_template("{{ 'x' * 5000000000 }}"), "builds a str of 5,000,000,000",
                                    ["--use-chat-template"]),
     "template: doubling a string": (

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nano_eval.errors import NanoEvalError
-from nano_eval.local_files import kind_of
+from nano_eval.local_files import YamlShapeError, compose_yaml, kind_of
 
 MAX_ENTRIES = 200_000  # files and folders under one checkpoint (a 1000-layer nanotron checkpoint has ~20k)
 CONFIG_BYTES = 64 << 20  # config.json, config.yaml, checkpoint_metadata.json, index files ...
@@ -185,15 +185,16 @@ def parse_json(data: bytes, path: str | Path):
 
 def parse_yaml(data: bytes, path: str | Path):
     """safe_load, after checking that aliases do not expand past YAML_NODES nodes (a 'billion laughs' file) and
-    that no alias refers to its own ancestor."""
+    that no alias refers to its own ancestor (local_files.compose_yaml)."""
     import yaml
 
     try:
         text = data.decode("utf-8")
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-        if node is not None:
-            _expanded_nodes(node, path)
+        compose_yaml(text, max_nodes=YAML_NODES)
         return yaml.safe_load(text)
+    except YamlShapeError as e:
+        raise CheckpointFileError(path, f"{e} (a configuration never does)" if "expands" in str(e) else str(e)) \
+            from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" (line {mark.line + 1} column {mark.column + 1})" if mark is not None else ""
@@ -203,41 +204,3 @@ def parse_yaml(data: bytes, path: str | Path):
         raise CheckpointFileError(path, f"is not UTF-8 text ({e.reason} at byte {e.start})") from e
     except RecursionError as e:
         raise CheckpointFileError(path, "nests YAML deeper than any configuration does") from e
-
-
-def _expanded_nodes(root, path) -> int:
-    """Nodes of the document with every alias expanded, counted without expanding (shared nodes counted once per
-    reference); refuses cycles and documents past YAML_NODES."""
-    sizes: dict[int, int] = {}
-    on_path: set[int] = set()
-    stack = [(root, False)]
-    while stack:
-        node, done = stack.pop()
-        key = id(node)
-        if done:
-            on_path.discard(key)
-            children = _children(node)
-            total = 1 + sum(sizes[id(c)] for c in children)
-            if total > YAML_NODES:
-                raise CheckpointFileError(path, f"expands to more than {YAML_NODES} YAML nodes through its aliases "
-                                          "(a configuration never does)")
-            sizes[key] = total
-            continue
-        if key in sizes:
-            continue
-        if key in on_path:
-            raise CheckpointFileError(path, "holds a YAML alias that contains itself")
-        on_path.add(key)
-        stack.append((node, True))
-        stack.extend((c, False) for c in _children(node) if id(c) not in sizes)
-    return sizes[id(root)]
-
-
-def _children(node) -> list:
-    import yaml
-
-    if isinstance(node, yaml.SequenceNode):
-        return list(node.value)
-    if isinstance(node, yaml.MappingNode):
-        return [x for pair in node.value for x in pair]
-    return []

@@ -45,23 +45,26 @@ def main(argv: list[str]) -> int:
         parser.error("compare needs two or more sweep output folders: nano_eval compare OUT_A OUT_B ...")
 
     def body() -> int:
+        from nano_eval.local_files import printable
         from nano_eval.sweep.compare import write_comparison
 
         found, population = write_comparison(args.sweeps, _names(args.labels), args.output_dir, args.threshold,
                                              args.last_n, _names(args.small), _names(args.target))
         flagged = [d for d in found if d.flagged]
+        out = printable(str(args.output_dir))
         print(f"{len(found)} comparisons, {len(flagged)} larger than {args.threshold:g} x stderr; "
-              f"{args.output_dir}/index.html, {args.output_dir}/compare.csv, {args.output_dir}/compare_signal.csv")
-        for d in flagged:
-            print(f"  {d.task} {d.metric}: {d.run} {d.value:.4f} vs {d.baseline} {d.baseline_value:.4f} at "
-                  f"{d.x} {d.at:.4g} (difference {d.difference:+.4f}, z {d.z:+.1f})")
+              f"{out}/index.html, {out}/compare.csv, {out}/compare_signal.csv")
+        for d in flagged:  # names from other runs' tables: printed escaped
+            print(f"  {printable(d.task)} {printable(d.metric)}: {printable(d.run)} {d.value:.4f} vs "
+                  f"{printable(d.baseline)} {d.baseline_value:.4f} at {d.x} {d.at:.4g} (difference "
+                  f"{d.difference:+.4f}, z {d.z:+.1f})")
         print(f"signal and noise across runs (the last {args.last_n} checkpoints of each run, or all it has "
               "when fewer):")
         for p in population:
             accuracy = "" if p.decision_accuracy is None else \
                 f", decision accuracy {p.decision_accuracy:.2f} ({p.pairs} pairs)"
-            print(f"  {p.task} {p.metric}: signal {_fmt(p.signal)}, noise {_fmt(p.noise)}, SNR {_fmt(p.snr, '.3g')}"
-                  f"{accuracy}")
+            print(f"  {printable(p.task)} {printable(p.metric)}: signal {_fmt(p.signal)}, noise {_fmt(p.noise)}, "
+                  f"SNR {_fmt(p.snr, '.3g')}{accuracy}")
         return 0
 
     return run_command(body, "compare")

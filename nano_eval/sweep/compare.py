@@ -31,13 +31,14 @@ matplotlib, one plot per task x metric: plots.py).
 
 from __future__ import annotations
 
-import html
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from nano_eval.errors import NanoEvalError
+from nano_eval.local_files import printable
 from nano_eval.sweep import plots
+from nano_eval.sweep.plots import html_text
 from nano_eval.sweep.metric_kinds import bounded
 from nano_eval.sweep.snr import LAST_N, Curve, PopulationStats, population_stats, table_curves
 from nano_eval.sweep.table import CSV_NAME, csv_text, read_table
@@ -47,6 +48,7 @@ COLUMNS = ("task", "metric", "run", "baseline", "x", "at", "value", "baseline_va
            "flagged")
 SIGNAL_COLUMNS = ("task", "metric", "runs", "last_n", "signal", "noise", "snr", "decision_accuracy", "pairs")
 CSV_OUT, SIGNAL_CSV_OUT, HTML_OUT = "compare.csv", "compare_signal.csv", "index.html"
+MAX_PLOTS = 24  # plots on the page (one per task x metric, the largest differences first)
 
 
 @dataclass(frozen=True)
@@ -68,7 +70,8 @@ class Difference:
 def load_curves(out_dir: Path) -> dict[tuple[str, str], Curve]:
     """{(task, metric): curve} of one sweep output folder."""
     if not (Path(out_dir) / CSV_NAME).exists():
-        raise NanoEvalError(f"{out_dir} holds no {CSV_NAME}. Fix: pass the --output-dir of a `nano_eval sweep`.")
+        raise NanoEvalError(f"{printable(str(out_dir))} holds no {CSV_NAME}. Fix: pass the --output-dir of a "
+                            "`nano_eval sweep`.")
     return table_curves(read_table(out_dir))
 
 
@@ -168,6 +171,14 @@ def _figure(key: tuple[str, str], runs: dict[str, dict[tuple[str, str], Curve]])
     return plots.img_tag(png, f"{key[0]} {key[1]}")
 
 
+def _plotted(keys: list[tuple[str, str]], found: list[Difference]) -> list[tuple[str, str]]:
+    """The task x metrics that get a plot: at most MAX_PLOTS (a plot costs ~0.1 s; a table of 20,000 tasks must
+    not cost an hour), those with flagged differences first, then by |z| (`found` is in that order), then the rest
+    in table order."""
+    order = list(dict.fromkeys([(d.task, d.metric) for d in found] + keys))
+    return order[:MAX_PLOTS]
+
+
 def _num(v, fmt: str = ".4f") -> str:
     return "" if v is None else format(v, fmt)
 
@@ -179,32 +190,36 @@ def _page(runs: dict, found: list[Difference], population: list[PopulationStats]
     if not draw:
         plots.warn_missing("the comparison page")
     rows = "".join(
-        f'<tr data-flagged="{int(d.flagged)}" data-task="{html.escape(d.task)}" data-metric="{html.escape(d.metric)}"'
-        f' data-run="{html.escape(d.run)}"{" style=background:#fdd" if d.flagged else ""}>'
-        f"<td>{html.escape(d.task)}</td><td>{html.escape(d.metric)}</td><td>{html.escape(d.run)}</td>"
+        f'<tr data-flagged="{int(d.flagged)}" data-task="{html_text(d.task)}" data-metric="{html_text(d.metric)}"'
+        f' data-run="{html_text(d.run)}"{" style=background:#fdd" if d.flagged else ""}>'
+        f"<td>{html_text(d.task)}</td><td>{html_text(d.metric)}</td><td>{html_text(d.run)}</td>"
         f"<td>{d.at:.4g}</td><td>{d.value:.4f}</td><td>{d.baseline_value:.4f}</td><td>{d.difference:+.4f}</td>"
         f"<td>{_num(d.noise)}</td><td>{_num(d.z, '+.2f')}</td><td>{'yes' if d.flagged else ''}</td></tr>"
         for d in found)
     signal = "".join(
-        f'<tr data-population="1" data-task="{html.escape(p.task)}" data-metric="{html.escape(p.metric)}">'
-        f"<td>{html.escape(p.task)}</td><td>{html.escape(p.metric)}</td><td>{p.runs}</td><td>{_num(p.signal)}</td>"
+        f'<tr data-population="1" data-task="{html_text(p.task)}" data-metric="{html_text(p.metric)}">'
+        f"<td>{html_text(p.task)}</td><td>{html_text(p.metric)}</td><td>{p.runs}</td><td>{_num(p.signal)}</td>"
         f"<td>{_num(p.noise)}</td><td>{_num(p.snr, '.3g')}</td><td>{_num(p.decision_accuracy, '.2f')}</td>"
         f"<td>{p.pairs or ''}</td></tr>" for p in population)
-    figures = "".join(f'<figure data-task="{html.escape(t)}" data-metric="{html.escape(m)}">{_figure((t, m), runs)}'
-                      f"<figcaption>{html.escape(t)} {html.escape(m)}</figcaption></figure>"
-                      for t, m in keys) if draw else ""
+    plotted = _plotted(keys, found)
+    figures = "".join(f'<figure data-task="{html_text(t)}" data-metric="{html_text(m)}">{_figure((t, m), runs)}'
+                      f"<figcaption>{html_text(t)} {html_text(m)}</figcaption></figure>"
+                      for t, m in plotted) if draw else ""
+    if draw and len(plotted) < len(keys):
+        figures = (f"<p>Plots of the {len(plotted)} task x metrics with the largest differences (flagged first); the "
+                   f"other {len(keys) - len(plotted)} are in the tables above and in {CSV_OUT}.</p>{figures}")
     names = list(runs)
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>nano_eval compare</title>"
             "<style>body{font-family:sans-serif;margin:2em}figure{display:inline-block;margin:.5em}"
             "table{border-collapse:collapse;font-size:13px}td,th{border:1px solid #ccc;padding:2px 6px}</style>"
-            f"</head><body><h1>nano_eval compare: {', '.join(html.escape(n) for n in names)}</h1>"
+            f"</head><body><h1>nano_eval compare: {', '.join(html_text(n) for n in names)}</h1>"
             "<h2>Signal and noise across runs</h2><p>Heineman et al. (2025, arXiv 2508.13144): signal = "
             "max<sub>j,k</sub> |m<sub>j</sub> - m<sub>k</sub>| / mean(m), m<sub>j</sub> the mean of run j's last "
             f"{last_n} checkpoints; noise = mean over runs of std / mean of their last {last_n} checkpoints; SNR = "
             "signal / noise; decision accuracy = share of model pairs ordered alike at small and target scale "
             "(--small / --target; README).</p><table><tr><th>task</th><th>metric</th><th>runs</th><th>signal</th>"
             f"<th>noise</th><th>SNR</th><th>decision accuracy</th><th>pairs</th></tr>{signal}</table>"
-            f"<h2>Differences from {html.escape(names[0])}</h2><p>Each run is read at the last consumed-token count "
+            f"<h2>Differences from {html_text(names[0])}</h2><p>Each run is read at the last consumed-token count "
             "both it and the baseline reached: its recorded value there, or the value interpolated between its two "
             "checkpoints around it (nothing is extrapolated); flagged: |difference| &gt; "
             f"{threshold:g} &times; sqrt(se<sub>run</sub>&sup2; + se<sub>baseline</sub>&sup2;), the recorded "

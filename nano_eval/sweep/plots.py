@@ -16,6 +16,22 @@ INSTALL = "pip install -e '.[report]'"
 Series = list[tuple[float, float, float | None]]  # (x, value, stderr or None), x order
 
 
+def html_text(text) -> str:
+    """A name from a file (task, metric, run, checkpoint) as page text: control characters escaped
+    (local_files.printable: no raw ESC byte reaches the page), then HTML-escaped (quotes too, for attributes)."""
+    from nano_eval.local_files import printable
+
+    return html.escape(printable(str(text)))
+
+
+def _label(text) -> str:
+    """A name as matplotlib text: control characters escaped, `$` taken literally (not as mathtext: `$\\x$` in a
+    task name would fail the drawing)."""
+    from nano_eval.local_files import printable
+
+    return printable(str(text)).replace("$", r"\$")
+
+
 def available() -> bool:
     """True when matplotlib imports (its object API, no pyplot: no global state, no GUI backend)."""
     try:
@@ -41,7 +57,7 @@ def curves_png(series: dict[str, Series], title: str, xlabel: str, ylabel: str =
     ax = fig.subplots()
     for (name, points), color in zip(series.items(), COLORS * (len(series) // len(COLORS) + 1)):
         xs, ys = [x for x, _, _ in points], [y for _, y, _ in points]
-        ax.plot(xs, ys, marker="o", markersize=3, color=color, label=name)
+        ax.plot(xs, ys, marker="o", markersize=3, color=color, label=_label(name))
         if any(e is not None for _, _, e in points):
             lo, hi = [y - (e or 0) for _, y, e in points], [y + (e or 0) for _, y, e in points]
             if unit_interval:
@@ -49,9 +65,9 @@ def curves_png(series: dict[str, Series], title: str, xlabel: str, ylabel: str =
             ax.fill_between(xs, lo, hi, color=color, alpha=0.2)
     if log_x:
         ax.set_xscale("log")
-    ax.set_title(title, fontsize=9)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
+    ax.set_title(_label(title), fontsize=9)
+    ax.set_xlabel(_label(xlabel))
+    ax.set_ylabel(_label(ylabel))
     if len(series) > 1:
         ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
@@ -63,4 +79,4 @@ def curves_png(series: dict[str, Series], title: str, xlabel: str, ylabel: str =
 
 def img_tag(png: bytes, alt: str) -> str:
     """An <img> with the PNG inlined as a base64 data URI (the page stays self-contained)."""
-    return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{base64.b64encode(png).decode()}">'
+    return f'<img alt="{html_text(alt)}" src="data:image/png;base64,{base64.b64encode(png).decode()}">'

@@ -8,12 +8,12 @@ written, and one warning says so.
 
 from __future__ import annotations
 
-import html
 from collections import defaultdict
 from datetime import datetime, timezone
 from pathlib import Path
 
 from nano_eval.sweep import plots
+from nano_eval.sweep.plots import html_text
 from nano_eval.sweep.metric_kinds import bounded
 from nano_eval.sweep.snr import CurveStats, ranked
 from nano_eval.sweep.table import read_table
@@ -82,9 +82,9 @@ def _signal_section(stats: list[CurveStats]) -> list[str]:
              "<th>change</th><th>slope / ln tokens</th><th>trend</th><th>noise (jitter)</th><th>stderr</th>"
              "<th>trend / noise</th><th>Kendall &tau;</th></tr>"]
     for k, st in enumerate(stats, start=1):
-        parts.append(f'<tr data-rank="{k}" data-task="{html.escape(st.task)}" data-metric="{html.escape(st.metric)}"'
+        parts.append(f'<tr data-rank="{k}" data-task="{html_text(st.task)}" data-metric="{html_text(st.metric)}"'
                      f' data-direction="{st.direction}">'
-                     f"<td>{k}</td><td>{html.escape(st.task)}</td><td>{html.escape(st.metric)}</td>"
+                     f"<td>{k}</td><td>{html_text(st.task)}</td><td>{html_text(st.metric)}</td>"
                      f"<td>{st.direction}</td><td>{st.checkpoints}</td><td>{num(st.change)}</td>"
                      f"<td>{num(st.slope)}</td><td>{num(st.trend)}</td><td>{num(st.jitter)}</td>"
                      f"<td>{num(st.stderr)}</td><td>{num(st.trend_to_noise, '.3g')}</td>"
@@ -98,33 +98,33 @@ def _html(out: Path, rows: list[dict], data: dict, figures: dict, failures: list
     steps = sorted({(r["step"], r["checkpoint"], r["consumed_tokens"]) for r in rows})
     parts = [
         "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
-        f"<title>nano_eval sweep: {html.escape(out.name)}</title>",
+        f"<title>nano_eval sweep: {html_text(out.name)}</title>",
         "<style>body{font-family:sans-serif;margin:2em}figure{display:inline-block;margin:.5em}"
         "table{border-collapse:collapse;font-size:13px}td,th{border:1px solid #ccc;padding:2px 6px;text-align:right}"
         "</style></head><body>",
-        f"<h1>nano_eval sweep: {html.escape(str(out))}</h1>",
+        f"<h1>nano_eval sweep: {html_text(str(out))}</h1>",
         f"<p>{len(steps)} checkpoints, steps {steps[0][0] if steps else '-'} to {steps[-1][0] if steps else '-'}; "
         f"generated {datetime.now(timezone.utc).isoformat(timespec='seconds')}.</p>",
     ]
     if failures:
         parts.append('<section data-failed="1"><h2>Failed checkpoints</h2><table><tr><th>checkpoint</th><th>step</th>'
                      '<th style="text-align:left">error</th></tr>')
-        parts += [f'<tr data-step="{r["step"]}"><td>{html.escape(r["checkpoint"])}</td><td>{r["step"]}</td>'
-                  f'<td style="text-align:left">{html.escape(r["error"])}</td></tr>' for r in failures]
+        parts += [f'<tr data-step="{r["step"]}"><td>{html_text(r["checkpoint"])}</td><td>{r["step"]}</td>'
+                  f'<td style="text-align:left">{html_text(r["error"])}</td></tr>' for r in failures]
         parts.append("</table></section>")
     if stats:
         parts += _signal_section(stats)
     for task, metrics in data.items():
-        parts.append(f'<section data-task="{html.escape(task)}"><h2>{html.escape(task)}</h2>')
+        parts.append(f'<section data-task="{html_text(task)}"><h2>{html_text(task)}</h2>')
         for metric in metrics:
-            parts.append(f'<figure data-task="{html.escape(task)}" data-metric="{html.escape(metric)}">'
-                         f"{figures.get((task, metric), '')}<figcaption>{html.escape(metric)}</figcaption></figure>")
+            parts.append(f'<figure data-task="{html_text(task)}" data-metric="{html_text(metric)}">'
+                         f"{figures.get((task, metric), '')}<figcaption>{html_text(metric)}</figcaption></figure>")
         by_step = {m: {s: (v, e) for s, v, e in pts} for m, pts in metrics.items()}
         parts.append("<table><tr><th>checkpoint</th><th>step</th><th>consumed tokens</th>"
-                     + "".join(f"<th>{html.escape(m)}</th>" for m in metrics) + "</tr>")
+                     + "".join(f"<th>{html_text(m)}</th>" for m in metrics) + "</tr>")
         for step, name, tokens in steps:
             cells = "".join(f"<td>{_fmt(*by_step[m].get(step, (None, None)))}</td>" for m in metrics)
-            parts.append(f'<tr data-step="{step}"><td>{html.escape(name)}</td><td>{step}</td>'
+            parts.append(f'<tr data-step="{step}"><td>{html_text(name)}</td><td>{step}</td>'
                          f"<td>{'' if tokens is None else tokens}</td>{cells}</tr>")
         parts.append("</table></section>")
     parts.append("</body></html>")

@@ -429,7 +429,8 @@ class SweepRunner:
         from nano_eval.sweep.table import table_rows
 
         stats = signal_rows(ranked(table_rows(self.summary.done, root=self.out)))
-        self.wandb.log_table("sweep/signal_to_noise", COLUMNS, [[r[c] for c in COLUMNS] for r in stats])
+        self.wandb.log_table("sweep/signal_to_noise", COLUMNS, [[printable(r[c]) if isinstance(r[c], str) else r[c]
+                                                                  for c in COLUMNS] for r in stats])
 
     def _log_wandb(self, results_path: Path) -> None:
         from nano_eval.local_files import LocalFileError

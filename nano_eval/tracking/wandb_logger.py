@@ -18,9 +18,12 @@ from typing import Any, Mapping, Sequence
 
 def metric_key(prefix: str, task_key: str, metric: str) -> str:
     """`eval/demo|arithmetic|0/acc`. W&B and TensorBoard accept `|` and `:`; only `/` (a section separator in
-    both UIs) and whitespace inside the task key are replaced."""
-    safe = "".join("_" if c == "/" or c.isspace() else c for c in task_key)
-    return f"{prefix}/{safe}/{metric}"
+    both UIs) and whitespace inside the task key are replaced. Control characters of names from task files are
+    escaped (local_files.printable): a key never carries a terminal escape or a line break."""
+    from nano_eval.local_files import printable
+
+    safe = "".join("_" if c == "/" or c.isspace() else c for c in printable(task_key))
+    return f"{prefix}/{safe}/{printable(metric)}"
 
 
 def one_line(error: BaseException, limit: int = 300) -> str:

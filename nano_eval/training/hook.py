@@ -46,7 +46,7 @@ from nano_eval.tracking.jsonl import append_jsonl, read_jsonl
 from nano_eval.tracking.results import results_document, write_results
 from nano_eval.tracking.wandb_logger import TensorBoardLogger, WandbLogger, metric_key, one_line
 from nano_eval.training.config import EvalHookConfig, sample_caps
-from nano_eval.local_files import printable
+from nano_eval.local_files import printable, single_line
 
 logger = logging.getLogger(__name__)
 
@@ -269,7 +269,8 @@ class EvalHook:
             failed.update(result.failed)
             for key in result.non_finite:  # the Evaluator leaves these to its caller: one line, training goes on
                 if self.is_publisher:
-                    print(f"nano_eval: warning: step {step}: {result.failed[key]}", file=sys.stderr, flush=True)
+                    print(f"nano_eval: warning: step {step}: {single_line(result.failed[key])}", file=sys.stderr,
+                          flush=True)
             for key, value in result.timings.items():
                 if key not in ("build_s", "evaluate_s"):
                     timings[key] = timings.get(key, 0.0) + value
