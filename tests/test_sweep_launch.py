@@ -235,7 +235,8 @@ def test_a_restarted_driver_waits_for_the_jobs_the_killed_one_left_running(seque
     again = subprocess.run(args, capture_output=True, text=True, timeout=600, env=env)
     assert again.returncode == 0, again.stderr[-3000:]
     for job_id in jobs:
-        assert f"job {job_id} of an earlier run of this sweep is still running" in again.stdout
+        assert re.search(rf"job {job_id} of an earlier run of this sweep \(checkpoint-[^)]*\) is still running",
+                         again.stdout), again.stdout
     assert "submitted" not in again.stdout  # nothing scored twice
     assert len(list((out / "jobs").glob("*_submitted.pkl"))) == 2
     assert (out / "sweep_results.csv").read_text() == (reference / "sweep_results.csv").read_text()
@@ -272,8 +273,13 @@ def test_slurm_job_script_carries_the_options(tmp_path, monkeypatch):
                  "#SBATCH --job-name=nano_eval_sweep"):
         assert line in script, (line, script)
     assert "srun" in script and "submitit.core._submit" in script  # srun starts one rank per GPU
+    assert "--kill-on-bad-exit=1" in script  # a rank that dies ends the job's other ranks
     array = _make_sbatch_string(command="x", folder=tmp_path, map_count=7, **executor.parameters)
     assert "#SBATCH --array=0-6%4" in array
+    cpu = launch_options(parse(["run", "--tasks", "demo|arithmetic|0", "--launcher", "slurm", "--gpus-per-node", "0",
+                                "--ranks-per-node", "2"]))
+    cpu_script = make_executor(cpu, tmp_path / "jobs")._make_submission_file_text("x", "uid")
+    assert "#SBATCH --ntasks-per-node=2" in cpu_script and "gpus" not in cpu_script  # 2 CPU ranks, no GPU asked
 
 
 def test_launcher_options_are_checked_before_anything_runs(tmp_path, capsys):
@@ -287,6 +293,9 @@ def test_launcher_options_are_checked_before_anything_runs(tmp_path, capsys):
     assert run_main(["sweep", str(run), "--tasks", "demo|arithmetic|0", "--output-dir", str(tmp_path / "o"),
                      "--launcher", "local", "--nodes", "2"]) == 2
     assert "--launcher local runs its jobs on this machine: --nodes 2" in capsys.readouterr().err
+    assert run_main(["sweep", str(run), "--tasks", "demo|arithmetic|0", "--output-dir", str(tmp_path / "o"),
+                     "--launcher", "slurm", "--gpus-per-node", "8", "--ranks-per-node", "4"]) == 2
+    assert "--ranks-per-node 4 with --gpus-per-node 8: each rank evaluates on its own GPU" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
 
 
