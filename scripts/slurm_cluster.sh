@@ -124,6 +124,9 @@ EOF
     chmod 644 "$CONF_DIR/slurm.conf.new"
     chown slurm:slurm "$CONF_DIR/slurmdbd.conf.new"
     chmod 600 "$CONF_DIR/slurmdbd.conf.new"
+    CONFIG_CHANGED=0
+    cmp -s "$CONF_DIR/slurm.conf.new" "$CONF_DIR/slurm.conf" || CONFIG_CHANGED=1
+    cmp -s "$CONF_DIR/slurmdbd.conf.new" "$CONF_DIR/slurmdbd.conf" || CONFIG_CHANGED=1
     mv "$CONF_DIR/slurm.conf.new" "$CONF_DIR/slurm.conf"
     mv "$CONF_DIR/slurmdbd.conf.new" "$CONF_DIR/slurmdbd.conf"
     DB_PASSWORD=$password
@@ -154,6 +157,10 @@ EOF
 }
 
 start_slurm() {
+    if ((CONFIG_CHANGED)) && { alive /run/slurmctld.pid || alive /run/slurmd.pid || alive /run/slurmdbd.pid; }; then
+        say "the configuration changed: restarting the Slurm daemons"
+        stop_slurm_daemons
+    fi
     if ! alive /run/slurmdbd.pid; then
         slurmdbd
         touch "$STARTED/slurmdbd"
@@ -199,6 +206,13 @@ stop_pidfile() {  # stop_pidfile NAME PIDFILE
     kill -9 "$pid" 2>/dev/null || true
 }
 
+stop_slurm_daemons() {  # jobs keep their state (StateSaveLocation) across a restart
+    stop_pidfile slurmd /run/slurmd.pid
+    stop_pidfile slurmctld /run/slurmctld.pid
+    stop_pidfile slurmdbd /run/slurmdbd.pid
+    rm -f "$STARTED/slurmd" "$STARTED/slurmctld" "$STARTED/slurmdbd"
+}
+
 stop() {
     ((EUID == 0)) || die "run as root: sudo bash $0 stop"
     if ! ours "$CONF_DIR/slurm.conf"; then
@@ -217,10 +231,7 @@ stop() {
             done
         fi
     fi
-    stop_pidfile slurmd /run/slurmd.pid
-    stop_pidfile slurmctld /run/slurmctld.pid
-    stop_pidfile slurmdbd /run/slurmdbd.pid
-    rm -f "$STARTED/slurmd" "$STARTED/slurmctld" "$STARTED/slurmdbd"
+    stop_slurm_daemons
     if [[ -e $STARTED/mariadb ]]; then
         mysqladmin shutdown 2>/dev/null || true
         rm -f "$STARTED/mariadb"

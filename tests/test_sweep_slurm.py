@@ -254,8 +254,9 @@ def test_a_job_cancelled_from_outside_is_resubmitted_once_with_what_it_left(refe
 
 @pytest.mark.slow
 def test_a_job_past_its_time_limit_is_retried_once_then_recorded(reference, tmp_path):
-    """`--time 1`: Slurm signals the end of the job's time (USR2, 90 s before it runs out: at once here) while the
-    job waits for a checkpoint; the job stops, its retry too, and the checkpoint becomes an error row naming the
+    """`--time 1`: the job scores its first checkpoint, then waits for the second past its time: Slurm signals the
+    end of its time (USR2, 15 s before it runs out for so short a --time) or, signal or not, stops it at the limit;
+    its retry (the second checkpoint alone) ends the same way, and the checkpoint becomes an error row naming the
     time limit (exit 1); what the job scored before is kept. With more time the same command completes the table."""
     run, out, log = _run_of(reference, tmp_path, (8, 16)), tmp_path / "out", tmp_path / "driver.txt"
     with _claim(out, "checkpoint-16"), _driving(_args(run, out, "--group-size", "2", "--time", "1"), log) as driver:
@@ -307,38 +308,59 @@ def test_watch_submits_new_checkpoints_and_ctrl_c_cancels_the_running_and_the_qu
     assert _table_of(out) == _table_of(reference[1], (8, 16, 24))
 
 
+@contextmanager
+def _drained():
+    """The node takes no new job while the block runs (`scontrol update State=DRAIN`, as a busy or reserved cluster
+    keeps jobs queued): yields a function that puts it back into service, also called at the end."""
+    node = subprocess.run(["sinfo", "--noheader", "--format=%N"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    subprocess.run(["scontrol", "update", f"NodeName={node}", "State=DRAIN", "Reason=nano_eval test: queued"],
+                   check=True, timeout=30)
+
+    def resume():
+        subprocess.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"], capture_output=True, timeout=30)
+
+    try:
+        yield resume
+    finally:
+        resume()
+
+
 @pytest.mark.slow
 def test_a_restarted_driver_waits_for_its_queued_array_and_names_a_job_it_cannot_prove(reference, tmp_path):
-    """The driver is SIGKILLed while its array waits in the queue (held, as a busy cluster would keep it). The same
-    command again finds element 0 by the comment its submission recorded (squeue) and waits for it, pending, instead
-    of submitting its checkpoints again. Element 1's comment was changed meanwhile: not provably this sweep's, said
-    in one line, its checkpoints submitted anew (the stranger is left alone, and cancelled by the test)."""
+    """The driver is SIGKILLed while its array waits in the queue (the node drained). The same command again finds
+    element 0 by the comment its submission recorded (squeue) and waits for it, pending, instead of submitting its
+    checkpoints again. Element 1's comment was changed meanwhile: not provably this sweep's, said in one line, its
+    checkpoint submitted anew (the stranger is held, left alone, and cancelled by the test). Then the node comes
+    back and the table is the sequential sweep's."""
     run, out = _run_of(reference, tmp_path, (8, 16, 24)), tmp_path / "out"
     args = _args(run, out, "--group-size", "2")
-    with _driving(args, tmp_path / "first.txt") as first:
-        jobs = _wait(lambda: [j for j in _running(out) if j != "submitting"], 120, "the submission")
-        array = jobs[0].split("_")[0]
-        subprocess.run(["scontrol", "hold", array], check=True, timeout=30)
-        first.send_signal(signal.SIGKILL)
-        first.wait(timeout=60)
-    assert {_queue()[f"{array}_{k}"][0] for k in (0, 1)} == {"PENDING"}
-    subprocess.run(["scontrol", "update", f"JobId={array}_1", "Comment=someone-elses"], check=True, timeout=30)
     log = tmp_path / "second.txt"
+    array = None
     try:
-        with _driving(args, log) as second:
-            _wait(lambda: "resubmitted" in log.read_text() or "submitted" in log.read_text(), 120,
-                  "the new driver to submit checkpoint-24")
-            text = log.read_text()
-            assert (f"job {array}_0 of an earlier run of this sweep (checkpoint-8, checkpoint-16) is PENDING "
-                    "(JobHeld") in text, text
-            assert (f"job {array}_1 of an earlier run (checkpoint-24) is not waited for: its Slurm comment is "
-                    "'someone-elses', not the 'nano_eval_sweep:") in text, text
-            [new] = re.findall(r"job (\d+) submitted: (checkpoint-[\d, checkpoint-]+) \(log", text)
-            assert new[1] == "checkpoint-24", text  # nothing for element 0's checkpoints
-            subprocess.run(["scontrol", "release", f"{array}_0"], check=True, timeout=30)
-            assert second.wait(timeout=400) == 0, log.read_text()[-3000:]
+        with _drained() as resume:
+            with _driving(args, tmp_path / "first.txt") as first:
+                jobs = _wait(lambda: [j for j in _running(out) if j != "submitting"], 120, "the submission")
+                array = jobs[0].split("_")[0]
+                first.send_signal(signal.SIGKILL)
+                first.wait(timeout=60)
+            assert {_queue()[f"{array}_{k}"][0] for k in (0, 1)} == {"PENDING"}
+            subprocess.run(["scontrol", "update", f"JobId={array}_1", "Comment=someone-elses"], check=True,
+                           timeout=30)
+            subprocess.run(["scontrol", "hold", f"{array}_1"], check=True, timeout=30)
+            with _driving(args, log) as second:
+                _wait(lambda: " submitted: " in log.read_text(), 120, "the new driver to submit checkpoint-24")
+                text = log.read_text()
+                assert (f"job {array}_0 of an earlier run of this sweep (checkpoint-8, checkpoint-16) is PENDING"
+                        in text), text
+                assert (f"job {array}_1 of an earlier run (checkpoint-24) is not waited for: its Slurm comment is "
+                        "'someone-elses', not the 'nano_eval_sweep:") in text, text
+                assert re.findall(r"job \S+ submitted: (.+) \(log", text) == ["checkpoint-24"], text
+                resume()
+                assert second.wait(timeout=400) == 0, log.read_text()[-3000:]
     finally:
-        subprocess.run(["scancel", array], timeout=30)
+        if array is not None:
+            subprocess.run(["scancel", array], timeout=30)
     text = log.read_text()
     assert "3 evaluated, 0 reused" in text, text
     assert _scored_lines(out, f"{array}_0") == ["checkpoint-8", "checkpoint-16"]
@@ -347,10 +369,14 @@ def test_a_restarted_driver_waits_for_its_queued_array_and_names_a_job_it_cannot
 
 
 @pytest.mark.slow
-def test_a_driver_killed_inside_sbatch_leaves_jobs_the_next_one_adopts(reference, tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("in_place", [True, False], ids=["job-files-in-place", "job-files-missing"])
+def test_a_driver_killed_inside_sbatch_leaves_jobs_the_next_one_adopts(reference, tmp_path, capsys, monkeypatch,
+                                                                       in_place):
     """The driver dies right after sbatch, before it recorded the job ids (here: submitit's submission raises once
-    it has submitted): running.json holds the submission's comment, and the restarted driver finds the array by
-    it and waits for it instead of submitting a second one."""
+    it has submitted, the node drained so that the jobs wait): running.json holds the submission's comment, and the
+    restarted driver finds the array by it. Elements whose job file submitit had put in place are waited for, none
+    is submitted again; elements without one (the driver died before submitit moved them in) could never run: they
+    are cancelled while queued, and their checkpoints submitted anew."""
     import submitit.slurm.slurm as submitit_slurm
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
@@ -361,28 +387,40 @@ def test_a_driver_killed_inside_sbatch_leaves_jobs_the_next_one_adopts(reference
     def submits_then_dies(self, delayed):
         jobs = original(self, delayed)
         seen["running"] = json.loads((out / "jobs" / "running.json").read_text())
-        subprocess.run(["scontrol", "hold", jobs[0].job_id.split("_")[0]], check=True, timeout=30)
+        if not in_place:
+            for job in jobs:
+                job.paths.submitted_pickle.unlink()
         raise RuntimeError("the driver died here")
 
-    with monkeypatch.context() as patch:
-        patch.setattr(submitit_slurm.SlurmExecutor, "_internal_process_submissions", submits_then_dies)
-        assert run_main(_args(run, out)) != 0
-    assert "the driver died here" in capsys.readouterr().err
-    comment = seen["running"]["submitting"]["slurm_comment"]
-    array = next(j.split("_")[0] for j, (_, c) in _queue().items() if c == comment)
-    # a failing driver clears its record on the way out; a SIGKILLed one leaves it as it was at that moment
-    (out / "jobs" / "running.json").write_text(json.dumps(seen["running"]))
-    subprocess.run(["scontrol", "release", array], check=True, timeout=30)
+    array = None
     try:
-        assert run_main(_args(run, out)) == 0
+        with _drained() as resume:
+            with monkeypatch.context() as patch:
+                patch.setattr(submitit_slurm.SlurmExecutor, "_internal_process_submissions", submits_then_dies)
+                assert run_main(_args(run, out)) != 0
+            assert "the driver died here" in capsys.readouterr().err
+            comment = seen["running"]["submitting"]["slurm_comment"]
+            array = next(j.split("_")[0] for j, (_, c) in _queue().items() if c == comment)
+            # a failing driver clears its record on the way out; a SIGKILLed one leaves it as it was then
+            (out / "jobs" / "running.json").write_text(json.dumps(seen["running"]))
+            resume()
+            assert run_main(_args(run, out)) == 0
     finally:
-        subprocess.run(["scancel", array], timeout=30)
+        if array is not None:
+            subprocess.run(["scancel", array], timeout=30)
     printed = capsys.readouterr().out
-    for k, name in enumerate(("checkpoint-8", "checkpoint-16")):
-        assert f"job {array}_{k} of an earlier run of this sweep ({name}; stopped while submitting it)" in printed
-    assert "submitted" not in printed.replace("while submitting", "")
-    assert len(list((out / "jobs").glob("*_submission.sh"))) == 1
     assert _table_of(out) == _table_of(reference[1], (8, 16))
+    if in_place:
+        for k, name in enumerate(("checkpoint-8", "checkpoint-16")):
+            assert f"job {array}_{k} of an earlier run of this sweep ({name}; stopped while submitting it)" in printed
+        assert "submitted" not in printed.replace("while submitting", "")
+        assert len(list((out / "jobs").glob("*_submission.sh"))) == 1
+    else:
+        assert f"job(s) {array}_0, {array}_1 of an earlier run of this sweep" in printed, printed
+        assert "are cancelled (they could not run)" in printed
+        assert len(re.findall(r"job \S+ submitted: ", printed)) == 2, printed
+        # (squeue lists an array cancelled before any element started under its bare id)
+        assert {state for j, (state, _) in _queue().items() if j.split("_")[0] == array} == {"CANCELLED"}
 
 
 # ---- the cluster's own faults ---------------------------------------------------------------------------------------

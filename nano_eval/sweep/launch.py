@@ -16,18 +16,24 @@ from plain JSON only: its status file `<out>/jobs/status/<submission>.json` (wor
 random id the driver gives each job) and each checkpoint's results.json carrying the planned evaluation identity;
 submitit's result pickle is never read.
 
-Faults: a job that raises, is killed, runs out of time or memory is reported with its log path and resubmitted
-once with the checkpoints it left unscored (the ones it finished are not redone); a second failure records those
-checkpoints as failed (table `error` column, exit code 1). Re-running the command reuses every finished
-checkpoint, so it is idempotent. SIGINT / SIGTERM cancel the jobs still running (scancel under Slurm) and keep
-what they finished. The driver should stay alive while the jobs run (a login-node shell, tmux, or its own small
-job); if it dies anyway, the jobs go on, and the next run of the command finds them in `<out>/jobs/running.json`
-and waits for them instead of scoring their checkpoints a second time -- only jobs it can prove are this sweep's
-(their status file carries the submission id running.json recorded, and a local job's process is a submitit
-controller of this jobs folder run by this user); running.json is schema-checked, and one that cannot be read is
-refused (exit 2) with the file named. Checkpoints are recorded there before their jobs are submitted; should the
-driver die during a submission, a job never scores a checkpoint another job is scoring or has scored (the job holds
-`<out>/jobs/claims/<checkpoint>.lock` while it decides and scores).
+Faults: a job that raises, is killed or cancelled, runs out of time or memory is reported with its log path and
+resubmitted once with the checkpoints it left unscored (the ones it finished are not redone); a second failure
+records those checkpoints as failed (table `error` column, exit code 1). A job that Slurm requeues (preemption, a
+failed node) is PENDING again and simply waited for. Re-running the command reuses every finished checkpoint, so it
+is idempotent. SIGINT / SIGTERM cancel the jobs still running or queued (one scancel under Slurm) and keep what they
+finished. When a job ended: locally, its controller process ended; under Slurm, submitit's result file appeared or
+squeue (slurm.Queue: one call every slurm.QUEUE_POLL_S) says so.
+
+The driver should stay alive while the jobs run (a login-node shell, tmux, or its own small job); if it dies anyway,
+the jobs go on, and the next run of the command finds them in `<out>/jobs/running.json` and waits for them, queued
+ones too, instead of submitting their checkpoints again -- only jobs it can prove are this sweep's: under Slurm,
+squeue lists the job among this user's with the comment running.json recorded for its submission
+(slurm.new_comment, given as sbatch --comment); locally, its status file carries the submission id running.json
+recorded and its process is a submitit controller of this jobs folder run by this user. running.json is
+schema-checked, and one that cannot be read is refused (exit 2) with the file named. Checkpoints (and, under Slurm,
+the submission's comment) are recorded there before their jobs are submitted: a driver that dies inside sbatch
+leaves what its successor needs to find those jobs (_adopt_submitting); and a job never scores a checkpoint another
+job is scoring or has scored (the job holds `<out>/jobs/claims/<checkpoint>.lock` while it decides and scores).
 """
 
 from __future__ import annotations
@@ -50,7 +56,7 @@ from nano_eval.sweep.worker import CLAIMS_DIR, JOBS_DIR
 from nano_eval.local_files import printable
 
 LAUNCHERS = ("local", "slurm")
-JOB_POLL_S = {"local": 0.2, "slurm": 1.0}  # how often the driver looks for ended jobs (squeue: slurm.py)
+JOB_POLL_S = {"local": 0.2, "slurm": 2.0}  # how often the driver looks for ended jobs (squeue: slurm.py)
 RUNNING_NAME = "running.json"  # <out>/jobs/running.json: the jobs the driver waits for (read by a restarted driver)
 SUBMITTING = "submitting"  # running.json's key for the checkpoints of a submission under way (job ids unknown)
 
@@ -89,10 +95,12 @@ def executor_parameters(o: LaunchOptions) -> dict[str, Any]:
     ranks = ranks_per_node(o)
     if o.launcher == "slurm":
         # --kill-on-bad-exit: a rank that dies takes the job's other ranks with it, instead of leaving them in a
-        # collective until --dist-timeout
+        # collective until --dist-timeout. signal_delay_s: Slurm's USR2 comes this long before --time runs out
+        # (worker.py stops the group on it); submitit's 90 s, or a quarter of a shorter --time, so that a short job
+        # is not signalled before its Python has started (the signal would kill it unhandled)
         params: dict[str, Any] = {"job_name": "nano_eval_sweep", "time": o.time_min, "nodes": o.nodes,
                                   "ntasks_per_node": ranks, "array_parallelism": o.array_parallelism,
-                                  "srun_args": ["--kill-on-bad-exit=1"]}
+                                  "srun_args": ["--kill-on-bad-exit=1"], "signal_delay_s": min(90, 15 * o.time_min)}
         if o.gpus_per_node:
             params["gpus_per_node"] = o.gpus_per_node
         if o.partition:
@@ -404,7 +412,7 @@ class LaunchedSweep(SweepRunner):
                     why = "it has ended"
             if why is not None:
                 print(f"nano_eval: job {printable(job_id)} of an earlier run ({names}) is not waited for: {why}; its "
-                      "checkpoints are planned again", flush=True)
+                      "checkpoints are planned again (those already scored are reused)", flush=True)
                 continue
             self.running.append(Submitted(job, [], record.get("attempt", 1), record["submission"],
                                           adopted=record["checkpoints"], comment=record.get("slurm_comment")))
@@ -514,12 +522,12 @@ class LaunchedSweep(SweepRunner):
 
     def _ended(self) -> list[Submitted]:
         """The jobs that will do nothing more. Local: the controller process ended. Slurm: submitit's result file
-        is there (looked for at every poll), or squeue (asked every slurm.QUEUE_POLL_S) says the job ended or no
-        longer lists it; a job Slurm requeued (preempted, its node failed) is PENDING again and still waited for.
-        While squeue does not answer, no job counts as ended."""
+        is there (looked for at every poll, for the jobs squeue did not last see PENDING), or squeue (asked every
+        slurm.QUEUE_POLL_S) says the job ended or no longer lists it; a job Slurm requeued (preempted, its node
+        failed) is PENDING again and still waited for. While squeue does not answer, no job counts as ended."""
         if self.launch.launcher != "slurm":
             return [s for s in self.running if s.job.done()]
-        ended = [s for s in self.running if s.returned]
+        ended = [s for s in self.running if s.slurm_state != "PENDING" and s.returned]
         if len(ended) == len(self.running):
             return ended
         queued = self.queue.jobs()

@@ -73,7 +73,7 @@ class GroupFailed(RuntimeError):
 
 
 def _signalled_to_stop(error: BaseException) -> bool:
-    """submitit's handler of Slurm's USR2 (sbatch --signal, sent `signal_delay_s` = 90 s before --time runs out)
+    """submitit's handler of Slurm's USR2 (sbatch --signal, sent `signal_delay_s` before --time runs out: launch.py)
     raises UncompletedJobError wherever the job is ("timed-out and not checkpointable"), possibly inside a library
     that wraps it (a checkpoint loader's own error, raised `from` it): the job's end, not the checkpoint's fault.
     (USR2 for a preemption makes submitit requeue the job and exit: SystemExit.)"""
@@ -109,7 +109,7 @@ def run_group(job: EvalJob, run_dir: str, items: list[WorkItem], dist_timeout_s:
     except BaseException as e:
         why = one_line(e, limit=1000)
         if _signalled_to_stop(e):
-            why = ("stopped by Slurm's time-limit signal (USR2, sent 90 s before the job's --time runs out); the "
+            why = ("stopped by Slurm's time-limit signal (USR2, sent shortly before the job's --time runs out); the "
                    "checkpoint in progress and those after it are left to the retry")
         try:
             _write_status(job, submission, "failed", status, why)
