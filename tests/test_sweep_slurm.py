@@ -470,15 +470,35 @@ def test_a_requeued_job_and_a_node_that_goes_down_lose_nothing_and_score_nothing
 
 
 def _started_again(job_id: str) -> bool:
-    """Whether requeued job `job_id` runs again. While it waits out Slurm's delay for requeued jobs (BeginTime)
-    and its earlier run's processes are gone from the node (`scontrol listpids`: slurmd refuses a second copy of a
-    job it still runs, and drains the node), lets it start now; repeated, since an update made while the requeue
-    is still being completed does not stay."""
+    """Whether requeued job `job_id` runs again. While it waits out Slurm's delay for requeued jobs (BeginTime:
+    2 minutes, so that the node is done with the job's earlier run), lets it start now once no step of the earlier
+    run is left on the node (a job started again sooner is refused or killed by its own stale steps) and
+    slurmctld has had a moment to hear so; repeated, since an update made while the requeue is being completed
+    does not stay."""
     state, _ = _queue()[job_id]
-    if state == "PENDING" and subprocess.run(["scontrol", "listpids", job_id], capture_output=True,
-                                             timeout=30).returncode != 0:
-        subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], capture_output=True, timeout=30)
+    if state == "PENDING":
+        if _steps_left(job_id):
+            _steps_left.last_seen[job_id] = time.monotonic()
+        elif time.monotonic() - _steps_left.last_seen.get(job_id, 0.0) > 3.0:
+            subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], capture_output=True,
+                           timeout=30)
     return state == "RUNNING"
+
+
+def _steps_left(job_id: str) -> bool:
+    """Whether a slurmstepd of job `job_id` (process title `slurmstepd: [<job id>.<step>]`) still runs here."""
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                title = Path(entry.path, "cmdline").read_bytes()
+            except OSError:
+                continue
+            if title.startswith(f"slurmstepd: [{job_id}.".encode()):
+                return True
+    return False
+
+
+_steps_left.last_seen = {}
 
 
 # ---- several ranks per job ------------------------------------------------------------------------------------------
