@@ -62,8 +62,16 @@ install_packages() {
     command -v apt-get >/dev/null || die "the packages ${missing[*]} are missing and there is no apt-get. Fix: install Slurm (slurmctld, slurmd, slurmdbd), munge and MariaDB with your system's package manager."
     say "installing ${missing[*]} (Debian packages)"
     export DEBIAN_FRONTEND=noninteractive
+    # the packages' own scripts would start their services (slurmctld without a configuration fails there): this
+    # script starts them itself, so they are kept from starting during the install
+    local policy=/usr/sbin/policy-rc.d created=0
+    if [[ ! -e $policy ]]; then
+        printf '#!/bin/sh\nexit 101\n' > "$policy" && chmod 755 "$policy" && created=1
+        trap 'rm -f /usr/sbin/policy-rc.d' EXIT
+    fi
     apt-get update -qq
     apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+    if ((created)); then rm -f "$policy"; trap - EXIT; fi
 }
 
 write_configs() {

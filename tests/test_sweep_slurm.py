@@ -198,6 +198,12 @@ def test_a_job_array_gives_the_sequential_table_and_a_rerun_submits_nothing(refe
     The same command again finds everything done and submits nothing."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     run, out = reference[0], tmp_path / "out"
+    queued_before = set(_queue())
+    assert run_main(_args(run, tmp_path / "refused", "--slurm-partition", "nope")) == 2  # sbatch says no
+    err = capsys.readouterr().err
+    assert "could not be submitted: sbatch: error: invalid partition specified: nope" in err, err
+    assert "Fix: check --slurm-partition" in err and "Traceback" not in err and set(_queue()) == queued_before
+
     assert run_main(_args(run, out, "--group-size", "2", "--array-parallelism", "1")) == 0
     printed = capsys.readouterr().out
     [script] = (out / "jobs").glob("*_submission.sh")

@@ -308,6 +308,8 @@ class LaunchedSweep(SweepRunner):
         return time.monotonic() + plan.wait_s
 
     def _submit(self, groups: list[list[WorkItem]], attempt: int) -> None:
+        from submitit.core.utils import FailedJobError, FailedSubmissionError
+
         from nano_eval.sweep.slurm import new_comment
         from nano_eval.sweep.worker import run_group
 
@@ -321,15 +323,23 @@ class LaunchedSweep(SweepRunner):
         # knows that jobs for these checkpoints may exist (worker.claim_checkpoint keeps them from scoring twice;
         # under Slurm it finds them by their comment: _adopt_submitting)
         self._write_running(submitting=(groups, submissions, comment))
-        with self.executor.batch():  # one Slurm array (one sbatch) per round
-            for group, submission in zip(groups, submissions):
-                jobs.append(self.executor.submit(run_group, self.job, str(self.run_dir), group,
-                                                 self.launch.dist_timeout_s, os.getcwd(), submission))
+        try:
+            with self.executor.batch():  # one Slurm array (one sbatch) per round
+                for group, submission in zip(groups, submissions):
+                    jobs.append(self.executor.submit(run_group, self.job, str(self.run_dir), group,
+                                                     self.launch.dist_timeout_s, os.getcwd(), submission))
+        except (FailedJobError, FailedSubmissionError) as e:  # sbatch said no: bad partition, account, limits
+            what = " ".join(str(e).split())[:1000]
+            raise NanoEvalError(f"the jobs for {', '.join(i.ckpt.shown for group in groups for i in group)} could "
+                                f"not be submitted: {printable(what)}. Fix: check --slurm-partition, --account, "
+                                "--time, --nodes and --gpus-per-node against what the cluster offers (`sinfo`, "
+                                "`sacctmgr show assoc user=$USER`); finished checkpoints are kept.") from None
         self.queue.refresh()  # the next look at the queue is newer than these jobs
         for job, group, submission in zip(jobs, groups, submissions):
             self.running.append(Submitted(job, group, attempt, submission, comment=comment))
+            log = printable(str(_rank0_paths(job).stderr))
             print(f"nano_eval: job {job.job_id} {'resubmitted' if attempt > 1 else 'submitted'}: "
-                  f"{', '.join(i.ckpt.shown for i in group)} (log: {printable(str(_rank0_paths(job).stderr))})", flush=True)
+                  f"{', '.join(i.ckpt.shown for i in group)} (log: {log})", flush=True)
         self._write_running()
 
     def _write_running(self, submitting: tuple[list[list[WorkItem]], list[str], str | None] | None = None) -> None:
