@@ -284,7 +284,13 @@ def test_a_forged_job_record_never_runs_a_planted_pickle(capsys, tmp_path, run_d
     assert not os.stat(out / "jobs").st_mode & 0o022  # submitit's files live in a folder only this user writes
 
 
-@pytest.mark.parametrize("content", ["{not json", '{"123": {"launcher": "local"}}', '{"1": []}'])
+@pytest.mark.parametrize("content", [
+    "{not json", '{"123": {"launcher": "local"}}', '{"1": []}',
+    # a Slurm job whose comment is not one a driver gives (nano_eval_sweep:<16 hex>), a submission record whose
+    # groups and submission ids do not pair up
+    '{"12_0": {"launcher": "slurm", "attempt": 1, "submission": "' + "ab" * 16 + '", "checkpoints": {}, '
+    '"slurm_comment": "nano_eval_sweep:me"}}',
+    '{"submitting": {"launcher": "slurm", "checkpoints": {}, "groups": [["checkpoint-8"]], "submissions": []}}'])
 def test_a_malformed_running_file_is_refused_before_anything_is_submitted(capsys, tmp_path, run_dir, content):
     pytest.importorskip("submitit")
     out = tmp_path / "out"

@@ -5,9 +5,10 @@ checkpoints of a real short training run (tests/sweep_utils.py): 3 jobs over 6 c
 sequential sweep's files, a job killed mid-way is reported with its log and retried without redoing what it had
 finished, a second sweep into the busy folder is refused, and rerunning the command submits nothing.
 
-Slurm cannot run here: the sbatch script the executor would submit is built by submitit's own SlurmExecutor and
-inspected. Its constructor refuses to run where `srun` is missing, so that test puts a stand-in `srun` (a shell
-script that only exits 0, never called for the sbatch text) on PATH.
+The Slurm launcher runs against a real one-node cluster in tests/test_sweep_slurm.py. Here the sbatch script the
+executor would submit is built by submitit's own SlurmExecutor and inspected, for what that cluster cannot have
+(GPUs, several nodes, an account). Its constructor refuses to run where `srun` is missing, so that test puts a
+stand-in `srun` (a shell script that only exits 0, never called for the sbatch text) on PATH.
 """
 
 import json
@@ -235,7 +236,8 @@ def test_a_restarted_driver_waits_for_the_jobs_the_killed_one_left_running(seque
     again = subprocess.run(args, capture_output=True, text=True, timeout=600, env=env)
     assert again.returncode == 0, again.stderr[-3000:]
     for job_id in jobs:
-        assert f"job {job_id} of an earlier run of this sweep is still running" in again.stdout
+        assert re.search(rf"job {job_id} of an earlier run of this sweep \(checkpoint-[^)]*\) is still running",
+                         again.stdout), again.stdout
     assert "submitted" not in again.stdout  # nothing scored twice
     assert len(list((out / "jobs").glob("*_submitted.pkl"))) == 2
     assert (out / "sweep_results.csv").read_text() == (reference / "sweep_results.csv").read_text()
@@ -272,8 +274,14 @@ def test_slurm_job_script_carries_the_options(tmp_path, monkeypatch):
                  "#SBATCH --job-name=nano_eval_sweep"):
         assert line in script, (line, script)
     assert "srun" in script and "submitit.core._submit" in script  # srun starts one rank per GPU
+    assert "--kill-on-bad-exit=1" in script  # a rank that dies ends the job's other ranks
+    assert "#SBATCH --signal=USR2@90" in script  # submitit's time-limit signal, 90 s before the end
     array = _make_sbatch_string(command="x", folder=tmp_path, map_count=7, **executor.parameters)
     assert "#SBATCH --array=0-6%4" in array
+    cpu = launch_options(parse(["run", "--tasks", "demo|arithmetic|0", "--launcher", "slurm", "--gpus-per-node", "0",
+                                "--ranks-per-node", "2"]))
+    cpu_script = make_executor(cpu, tmp_path / "jobs")._make_submission_file_text("x", "uid")
+    assert "#SBATCH --ntasks-per-node=2" in cpu_script and "gpus" not in cpu_script  # 2 CPU ranks, no GPU asked
 
 
 def test_launcher_options_are_checked_before_anything_runs(tmp_path, capsys):
@@ -287,6 +295,9 @@ def test_launcher_options_are_checked_before_anything_runs(tmp_path, capsys):
     assert run_main(["sweep", str(run), "--tasks", "demo|arithmetic|0", "--output-dir", str(tmp_path / "o"),
                      "--launcher", "local", "--nodes", "2"]) == 2
     assert "--launcher local runs its jobs on this machine: --nodes 2" in capsys.readouterr().err
+    assert run_main(["sweep", str(run), "--tasks", "demo|arithmetic|0", "--output-dir", str(tmp_path / "o"),
+                     "--launcher", "slurm", "--gpus-per-node", "8", "--ranks-per-node", "4"]) == 2
+    assert "--ranks-per-node 4 with --gpus-per-node 8: each rank evaluates on its own GPU" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
 
 
@@ -386,3 +397,19 @@ def test_a_job_waits_for_the_job_scoring_the_same_checkpoint_then_reuses_it(tmp_
     assert "checkpoint-8 is being scored by another job" in capsys.readouterr().out
     with claim_checkpoint(tmp_path, "checkpoint-8", hold=False):  # the job's other ranks hold nothing
         pass
+
+
+def test_a_slurm_queue_that_does_not_answer_ends_no_job(tmp_path, monkeypatch, capsys):
+    """squeue missing or failing (slurmctld restarting): the driver is told once, counts every job as still running
+    (it never resubmits blind), and asks again; the real squeue is exercised in tests/test_sweep_slurm.py."""
+    from nano_eval.errors import NanoEvalError
+    from nano_eval.sweep.slurm import Queue, is_comment, list_jobs, new_comment
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # no Slurm commands here
+    queue = Queue(every_s=0)
+    assert queue.jobs() is None and queue.jobs() is None
+    err = capsys.readouterr().err
+    assert err.count("`squeue --noheader") == 1 and "assumed to be still running" in err
+    with pytest.raises(NanoEvalError, match="Fix: run the sweep where Slurm's commands answer"):
+        list_jobs()
+    assert is_comment(new_comment()) and new_comment() != new_comment() and not is_comment("nano_eval_sweep:x")

@@ -56,6 +56,9 @@ def build_parser() -> Parser:
     g.add_argument("--slurm-partition", default=None, help="Slurm partition (default: the cluster's default)")
     g.add_argument("--gpus-per-node", type=non_negative_int, default=1,
                    help="GPUs per node of a job, one rank each (default: %(default)s)")
+    g.add_argument("--ranks-per-node", type=positive_int, default=None,
+                   help="processes (ranks) per node of a job (default: one per GPU; with --gpus-per-node 0 "
+                        "--device cpu, that many CPU ranks on gloo)")
     g.add_argument("--nodes", type=positive_int, default=1, help="nodes per job (default: %(default)s)")
     g.add_argument("--time", type=positive_int, default=60,
                    help="minutes per job before it is stopped (default: %(default)s)")
@@ -95,7 +98,8 @@ def sweep_options(args: argparse.Namespace) -> SweepOptions:
 
 def launch_options(args: argparse.Namespace) -> LaunchOptions:
     return LaunchOptions(launcher=args.launcher, group_size=args.group_size, partition=args.slurm_partition,
-                         gpus_per_node=args.gpus_per_node, nodes=args.nodes, time_min=args.time,
+                         gpus_per_node=args.gpus_per_node, ranks_per_node=args.ranks_per_node, nodes=args.nodes,
+                         time_min=args.time,
                          account=args.account, array_parallelism=args.array_parallelism,
                          dist_timeout_s=args.dist_timeout)
 

@@ -72,6 +72,24 @@ class GroupFailed(RuntimeError):
     """Some checkpoints of a job's group failed (the message names each, with its error)."""
 
 
+def _signalled_to_stop(error: BaseException) -> bool:
+    """submitit's handler of Slurm's USR2 (sbatch --signal, sent `signal_delay_s` before --time runs out: launch.py)
+    raises UncompletedJobError wherever the job is ("timed-out and not checkpointable"), possibly inside a library
+    that wraps it (a checkpoint loader's own error, raised `from` it): the job's end, not the checkpoint's fault.
+    (USR2 for a preemption makes submitit requeue the job and exit: SystemExit.)"""
+    try:
+        from submitit.core.utils import UncompletedJobError
+    except ImportError:
+        return False
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, UncompletedJobError):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
+
+
 def run_group(job: EvalJob, run_dir: str, items: list[WorkItem], dist_timeout_s: float,
               cwd: str | None = None, submission: str | None = None) -> dict[str, str]:
     """Evaluate `items` in order on every rank of this job; returns {checkpoint name: "evaluated" | "reused"}
@@ -89,8 +107,12 @@ def run_group(job: EvalJob, run_dir: str, items: list[WorkItem], dist_timeout_s:
     try:
         _run_group(job, run_dir, items, dist_timeout_s, status)
     except BaseException as e:
+        why = one_line(e, limit=1000)
+        if _signalled_to_stop(e):
+            why = ("stopped by Slurm's time-limit signal (USR2, sent shortly before the job's --time runs out); the "
+                   "checkpoint in progress and those after it are left to the retry")
         try:
-            _write_status(job, submission, "failed", status, one_line(e, limit=1000))
+            _write_status(job, submission, "failed", status, why)
         except Exception:  # noqa: BLE001 -- the job's own error is the one to report
             pass
         raise
@@ -123,6 +145,8 @@ def _run_group(job: EvalJob, run_dir: str, items: list[WorkItem], dist_timeout_s
                     print(f"nano_eval job: {item.ckpt.shown} (step {item.ckpt.step}): evaluated in "
                           f"{time.perf_counter() - start:.1f}s", flush=True)
             except BaseException as e:  # noqa: BLE001 -- recorded; the group's other checkpoints still run
+                if _signalled_to_stop(e):
+                    raise  # the job's end (its --time), not this checkpoint's fault: the group stops here
                 if not isinstance(e, Exception) and not is_rust_panic(e):
                     raise  # Ctrl-C, SystemExit; a Rust library's panic (a checkpoint's tokenizer) is the checkpoint's
                 failed.append(f"{name} (step {item.ckpt.step}): {one_line(e, limit=1000)}")
