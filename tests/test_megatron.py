@@ -348,13 +348,20 @@ def test_checkpoint_errors_say_what_to_do(tmp_path):
     from nano_eval.checkpoints.megatron_args import load_shard
     from nano_eval.checkpoints.megatron_legacy import is_megatron_checkpoint, load_megatron_llama_as_hf
 
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import Metadata
+
     dist_ckpt = tmp_path / "iter_0000005"
     dist_ckpt.mkdir()
     (dist_ckpt / ".metadata").write_bytes(b"")
     (dist_ckpt / "__0_0.distcp").write_bytes(b"")
     assert is_megatron_checkpoint(str(dist_ckpt)) and not is_megatron_checkpoint(str(tmp_path))
-    with pytest.raises(NanoEvalError, match="no common.pt"):  # torch_dist: tests/test_megatron_dist_ckpt.py
+    with pytest.raises(NanoEvalError, match=r"\.metadata: refused to load"):  # torch_dist: test_megatron_dist_ckpt.py
         load_megatron_llama_as_hf(dist_ckpt)
+    (dist_ckpt / ".metadata").write_bytes(pickle.dumps(Metadata(state_dict_metadata={}, storage_data={})))
+    with pytest.raises(NanoEvalError, match="has no common.pt and its index has no common_state/shard_0_1 entry"):
+        load_megatron_llama_as_hf(dist_ckpt)  # neither megatron-core <= 0.18's common state nor 0.19's
 
     partial = tmp_path / "iter_0000006"
     (partial / "mp_rank_01").mkdir(parents=True)
