@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 DEFAULTS = Path(__file__).resolve().parent / "megatron_lm_defaults.json"
-NEW, OLD = "core_v0.16.1", "core_v0.15.3"
+NEW, OLD, NEWEST = "core_v0.16.1", "core_v0.15.3", "core_v0.19.0"  # 0.19.2 ships core_v0.19.0's arguments.py
 SIZES = dict(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, max_position_embeddings=64,
              seq_length=64, padded_vocab_size=128)
 MOE = dict(num_experts=4, moe_ffn_hidden_size=32, moe_token_dispatcher_type="alltoall")
@@ -30,6 +30,10 @@ ROPE = dict(position_embedding_type="rope")
 # name: (release whose defaults and names the args use, the arguments set, expected: "same" or the refused name)
 VARIANTS = {
     "defaults (LayerNorm, GELU, biases, learned positions, tied)": (NEW, {}, "same"),
+    "core 0.19 defaults": (NEWEST, {}, "same"),
+    "Llama with core 0.19 defaults: rope, swiglu, GQA, RMSNorm, no biases, untied": (NEWEST, dict(
+        ROPE, swiglu=True, group_query_attention=True, num_query_groups=2, normalization="RMSNorm",
+        add_bias_linear=False, untie_embeddings_and_output_weights=True), "same"),
     "--apply-layernorm-1p --norm-epsilon (core 0.15 names)": (OLD, dict(apply_layernorm_1p=True, norm_epsilon=0.5),
                                                                "same"),
     "--apply-layernorm-1p --norm-epsilon (core 0.16 names), RMSNorm": (
@@ -69,6 +73,9 @@ VARIANTS = {
                                "rope_scaling_factor"),
     "multi-latent attention": (NEW, dict(ROPE, multi_latent_attention=True), "multi_latent_attention"),
     "yarn": (NEW, dict(position_embedding_type="yarn"), "position_embedding_type"),
+    "maximal-update parameterisation (core 0.19)": (NEWEST, dict(use_mup=True), "use_mup"),
+    "random router bias (core 0.19)": (NEWEST, dict(**MOE, moe_router_force_biased=0.1,
+                                                    moe_router_load_balancing_type="none"), "moe_router_force_biased"),
 }
 LEGACY = ("--apply-layernorm-1p --norm-epsilon (core 0.15 names)",)  # also saved in the legacy format
 ITERATION = 7
