@@ -310,10 +310,64 @@ def dropless_checks(tokenizer_dir) -> dict:
     return out
 
 
+def cache_contract_checks(tokenizer_dir) -> dict:
+    """The KV-cache decoder on megatron-core's GPTModel (tp1) as built, and with the release's behaviour moved the
+    two ways a decoder could go silently wrong: the output layer handed the last column only (what megatron-core's
+    switch does where it is obeyed: always up to 0.17, under its InferenceMode from 0.18), and attention no longer
+    writing and reading the static KV cache. {case: "decoded" (cached tokens == re-run tokens) or the error}."""
+    from megatron.core.transformer.attention import Attention
+    from transformers import AutoTokenizer
+
+    from nano_eval.backends.base import evaluation_mode
+    from nano_eval.backends.megatron import MegatronModel
+    from nano_eval.backends.megatron_cache import StaticCache
+    from nano_eval.compat.megatron import release
+    from tests.generation_checks import Rerunning, generate
+    from tests.megatron_gpt import GPTConfig, build_gpt_chunks
+    from tests.megatron_worker import _setup
+
+    out = {}
+    for case in ("as built", "last column only", "no KV cache"):
+        _setup(1)
+        backend = MegatronModel(build_gpt_chunks(), AutoTokenizer.from_pretrained(tokenizer_dir),
+                                max_length=GPTConfig().max_position_embeddings)
+        allocate, adjust, mode = StaticCache.allocate, Attention._adjust_key_value_for_inference, None
+        if case == "last column only":
+            def last_column_only(self, rows, columns):
+                allocate(self, rows, columns)
+                owner = self.context.config if hasattr(self.context, "config") else self.context
+                owner.materialize_only_last_token_logits = True
+
+            StaticCache.allocate = last_column_only
+            if release().inference_mode_flag:
+                from megatron.core.inference.utils import InferenceMode as mode
+
+                mode.set_active()
+        elif case == "no KV cache":  # the attention of a model called without a context: this call's columns only
+            def no_cache(self, context, q, k, v, rotary, *rest, **kw):
+                rotary = None if rotary is None else tuple(r[:q.shape[0]] for r in rotary)
+                return q, k, v, rotary, self.attn_mask_type, None
+
+            Attention._adjust_key_value_for_inference = no_cache
+        try:
+            with evaluation_mode(backend.module):
+                cached, rerun = generate(backend, []), generate(Rerunning(backend), [])
+            out[case] = "decoded" if cached == rerun else "decoded differently"
+        except Exception as e:  # noqa: BLE001 -- the message is the result
+            out[case] = f"{type(e).__name__}: {e}"
+        finally:
+            StaticCache.allocate, Attention._adjust_key_value_for_inference = allocate, adjust
+            if mode is not None:
+                mode.unset_active()
+    return out
+
+
 def all_checks(rank, world, tokenizer_dir, root) -> dict:
-    """The one spawned rank of tests/test_megatron_args.py: the argument variants, then the dropless checks."""
+    """The one spawned rank of tests/test_megatron_args.py: the argument variants, then the dropless checks and the
+    KV cache's contract checks."""
     start = time.monotonic()
     out = {"variants": variants(rank, world, tokenizer_dir, root)}
     out["dropless"] = dropless_checks(tokenizer_dir)
+    out["cache_contract"] = cache_contract_checks(tokenizer_dir)
     out["seconds"] = round(time.monotonic() - start, 1)
     return out

@@ -3,7 +3,8 @@
 One spawned rank (tests/megatron_args_worker.py) builds, for each variant of Megatron-LM's own default arguments,
 the GPTModel Megatron-LM builds (its `core_transformer_config_from_args` rules restated in the test), saves it as
 torch_dist (one also legacy), loads it with nano_eval's loader and compares the logits: every argument that changes
-the math is applied (same logits) or refused by name. The defaults come from upstream's arguments.py
+the math is applied (same logits) or refused by name. The same rank checks that the MoE dropless switch and the
+KV-cache decoder fail closed. The defaults come from upstream's arguments.py
 (tests/megatron_lm_defaults.json, written by scripts/megatron_lm_defaults.py; no network here).
 """
 
@@ -151,3 +152,18 @@ def test_the_transformers_converter_reads_the_same_names():
     for name in ("apply_layernorm_1p", "layernorm_zero_centered_gamma"):
         with pytest.raises(NanoEvalError, match="zero-centred.*--backend megatron"):
             hf_config_from_args({**llama, name: True}, 128)
+
+
+def test_kv_cache_decoding_fails_closed(world):
+    """Greedy generation from megatron-core's KV cache decodes exactly (tokens equal the re-run path's) as built; a
+    release whose output layer got the last column only, or whose attention stopped writing and reading the static
+    cache, stops the generation with one line naming megatron-core's version instead of decoding other tokens.
+    (Before the fix, megatron-core 0.19 took the first path silently: the decoder read the prompt's first column.)"""
+    from nano_eval.compat.megatron import version_string
+
+    got = world["cache_contract"]
+    assert got["as built"] == "decoded", got
+    for case in ("last column only", "no KV cache"):
+        message = got[case]
+        assert message.startswith("CacheContractError: greedy generation from megatron-core"), (case, message)
+        assert version_string() in message and "Fix:" in message and "\n" not in message, (case, message)

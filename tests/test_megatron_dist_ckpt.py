@@ -183,7 +183,7 @@ def test_other_layouts_convert_exactly(tmp_path, tp, pp, untie):
     from tests.megatron_worker import save_dist_layout
     from tests.megatron_gpt import GPTConfig, logical_weights
 
-    run_distributed(save_dist_layout, tp * pp, str(tmp_path), tp, pp, untie, ITERATION)
+    run_distributed(save_dist_layout, tp * pp, str(tmp_path), tp, pp, untie, ITERATION, timeout=600)
     state = load_megatron_llama_as_hf(tmp_path / ITER).state_dict()
     expected = logical_weights(GPTConfig())
     if not untie:

@@ -145,7 +145,9 @@ class StaticCache:
         masked = (keys[None, None, :] > columns[None, :, None]) | (keys[None, None, :] < self.pads[:, None, None])
         rows = torch.arange(self.rows, device=device)
         if inference_mode_active():
-            raise CacheContractError("its InferenceMode is on (an inference engine holds the model)")
+            raise CacheContractError("its InferenceMode is on (an inference engine holds the model)",
+                                     "evaluate while megatron-core's inference engine is not running (InferenceMode "
+                                     "is process-wide)")
         self.span = (start, end)
         with self._decoding():  # the output layer gets every new column: pick each row's last, n - 1
             logits = self.backend.run((new_ids, positions, masked[:, None]), rows, torch.full_like(rows, end - start - 1),
@@ -214,10 +216,11 @@ class StaticCache:
 class CacheContractError(NanoEvalError):
     """megatron-core did not decode from its static KV cache the way nano_eval relies on (module docstring)."""
 
-    def __init__(self, what: str):
+    def __init__(self, what: str, fix: str = "report this message to nano_eval; meanwhile score generative tasks "
+                                              "with megatron-core 0.16.1 to 0.19.2 (tested)"):
         super().__init__(f"greedy generation from megatron-core {version_string()}'s KV cache stopped: {what}, not "
-                         "what nano_eval's decoder relies on, so its tokens could differ from the model's. Fix: use "
-                         "megatron-core 0.16.1 to 0.19.2, or report this message to nano_eval.")
+                         f"what nano_eval's decoder relies on, so its tokens could differ from the model's. Fix: "
+                         f"{fix}.")
 
 
 @contextmanager
