@@ -7,7 +7,7 @@
   every token to its top-k experts: `moe_expert_capacity_factor = None` and `moe_pad_expert_input_to_capacity =
   False` on the configs (the router reads them at every forward), and the same on the token dispatchers, which copy
   them at construction (alltoall: `drop_and_pad`, `moe_expert_capacity_factor`; flex dispatcher managers:
-  `drop_and_pad`, `capacity_factor`; 0.19's hybrid-EP manager also a per-rank budget). The fields of each
+  `drop_and_pad`, `capacity_factor`; from 0.18 the hybrid-EP manager also a per-rank budget). The fields of each
   megatron-core release are its row of nano_eval.compat.megatron.RELEASES (`dropless_config`,
   `dispatcher_fields`). A dispatcher's attributes are restored whole, not just those: a forward leaves its split
   sizes there, and the alltoall dispatcher's pad-to-capacity path relies on finding the ones of its own previous

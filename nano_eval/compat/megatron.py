@@ -102,10 +102,10 @@ _DROPLESS_016 = (("moe_expert_capacity_factor", None), ("moe_pad_expert_input_to
 _DISPATCHERS_016 = (("MoEAllGatherTokenDispatcher", ()), ("MoEAlltoAllTokenDispatcher", ("drop_and_pad",)),
                     ("MoEFlexTokenDispatcher", ("_comm_manager",)), ("_DeepepManager", ("capacity_factor",)),
                     ("_HybridEPManager", ("capacity_factor", "drop_and_pad")))
-# 0.19: the hybrid-EP manager also drops tokens past a per-rank budget (moe_expert_rank_capacity_factor); the
+# 0.18: the hybrid-EP manager also drops tokens past a per-rank budget (moe_expert_rank_capacity_factor); 0.19's
 # NCCL-EP manager (_NCCLEPManager, Transformer Engine) is not listed, so a model using it is refused
-_DROPLESS_019 = _DROPLESS_016 + (("moe_expert_rank_capacity_factor", None),)
-_DISPATCHERS_019 = _DISPATCHERS_016[:-1] + (
+_DROPLESS_018 = _DROPLESS_016 + (("moe_expert_rank_capacity_factor", None),)
+_DISPATCHERS_018 = _DISPATCHERS_016[:-1] + (
     ("_HybridEPManager", ("capacity_factor", "drop_and_pad", "moe_expert_rank_capacity_factor")),)
 _EXPERTS_016 = ("GroupedMLP", "TEGroupedMLP", "SequentialMLP")
 _EXPERTS_017 = ("TEGroupedMLP", "InferenceGroupedMLP", "SequentialMLP")
@@ -115,10 +115,10 @@ RELEASES: dict[tuple[int, int], Release] = {
                      _DISPATCHERS_016),
     (0, 17): Release("context.config", False, "common.pt", "load_common", _EXPERTS_017, _DROPLESS_016,
                      _DISPATCHERS_016),
-    (0, 18): Release("context.config", True, "common.pt", "load_common", _EXPERTS_017, _DROPLESS_016,
-                     _DISPATCHERS_016),
-    (0, 19): Release("context.config", True, "common_state", "load_common_state_dict", _EXPERTS_017, _DROPLESS_019,
-                     _DISPATCHERS_019),
+    (0, 18): Release("context.config", True, "common.pt", "load_common", _EXPERTS_017, _DROPLESS_018,
+                     _DISPATCHERS_018),
+    (0, 19): Release("context.config", True, "common_state", "load_common_state_dict", _EXPERTS_017, _DROPLESS_018,
+                     _DISPATCHERS_018),
 }
 TESTED = ((0, 16, 1), (0, 19, 2))  # the oldest and newest release the CI runs every megatron test on
 
