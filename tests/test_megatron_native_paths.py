@@ -1,8 +1,9 @@
 """`--backend megatron` on torch_dist checkpoints as Megatron-LM's training writes them
 (tests/megatron_native_worker.py): with the distributed optimizer's sharded state (Megatron-LM's default save of a
 `--use-distributed-optimizer` run), with the `singleton_local_shards` content-metadata flag, and MoE experts saved
-from grouped GEMM (GroupedMLP, megatron-core <= 0.16) or in another expert-parallel size. One world of 2 ranks saves each and loads it back
-on both ranks; the loaded model's logits equal the live model's. The slow set adds a world of 4 (ep4)."""
+from grouped GEMM (GroupedMLP, megatron-core <= 0.16) or in another expert-parallel size. One world of 2 ranks
+saves each and loads it back on both ranks; the loaded model's logits equal the live model's. The slow set adds a
+world of 4 (ep4)."""
 
 import pytest
 

@@ -149,10 +149,10 @@ class StaticCache:
                                      "evaluate while megatron-core's inference engine is not running (InferenceMode "
                                      "is process-wide)")
         self.span = (start, end)
-        with self._decoding():  # the output layer gets every new column: pick each row's last, n - 1
-            logits = self.backend.run((new_ids, positions, masked[:, None]), rows, torch.full_like(rows, end - start - 1),
-                                      context)
-        self._check_cache_written(len(self.pads), end)
+        last = torch.full_like(rows, end - start - 1)  # the output layer gets every new column: each row's last
+        with self._decoding():
+            logits = self.backend.run((new_ids, positions, masked[:, None]), rows, last, context)
+        self._check_cache_written(len(self.pads))
         context.sequence_len_offset = end
         return logits
 
@@ -192,7 +192,7 @@ class StaticCache:
             raise CacheContractError(f"its output layer got hidden states {tuple(args[0].shape)} for {end - start} "
                                      f"new columns of {mb} rows")
 
-    def _check_cache_written(self, rows: int, end: int) -> None:
+    def _check_cache_written(self, rows: int) -> None:
         """After a call: every layer of this rank's chunks holds its keys and values in the context,
         [capacity, cache rows, ...]."""
         memory = self.context.key_value_memory_dict

@@ -12,8 +12,9 @@ build a real GPTModel (local layer spec, CPU, TP1/PP1) from the checkpoint's own
 of an `mp_rank_00` legacy checkpoint, so megatron_legacy.py converts it the same way.
 
 Safety (the checkpoint is untrusted; see untrusted.py and pickles.py):
-- `.metadata` and the common state (`common.pt`, or 0.19's `common_state` bytes, which torch.distributed.checkpoint
-  would unpickle itself) are read by nano_eval's own unpickler; the index is then checked whole
+- `.metadata` and the common state (`common.pt`, or 0.19's `common_state` bytes, which
+  torch.distributed.checkpoint would unpickle itself) are read by nano_eval's own unpickler; the index is then
+  checked whole
   (`check_index`): every storage entry names a bare `.distcp` file of the folder with its byte range inside it,
   every tensor entry has plain sizes whose chunks fit their bytes.
 - The model's size is computed from the args and refused when larger than the files or the allocation limit,
@@ -21,8 +22,8 @@ Safety (the checkpoint is untrusted; see untrusted.py and pickles.py):
 - torch.distributed.checkpoint's own reader would `torch.load(..., weights_only=False)` any entry the index calls
   bytes, even where the model asks for a tensor. megatron-core is handed `CheckedReader` instead: it serves the
   validated index and reads only tensor chunks, each with nano_eval's torch.save reader; a bytes entry is refused.
-  megatron-core's load is handed the common state nano_eval read instead of reading (unpickling) it again
-  (nano_eval.compat.megatron.common_state_already_read).
+  megatron-core's load does not read (unpickle) the common state again
+  (nano_eval.compat.megatron.common_state_not_reread).
 """
 
 from __future__ import annotations
@@ -315,12 +316,12 @@ def load_sharded(model, ckpt: DistCheckpoint, fix: str) -> dict:
     from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from nano_eval.compat.megatron import common_state_already_read
+    from nano_eval.compat.megatron import common_state_not_reread
 
     index = ckpt.folder.root / INDEX
     sharded = _model_only(model.sharded_state_dict(metadata=ckpt.common.get(CONTENT_METADATA)))
     _check_requested(sharded, ckpt.metadata, index)
-    with _checked_reader(ckpt.folder, ckpt.metadata, index), common_state_already_read(ckpt.common) as how:
+    with _checked_reader(ckpt.folder, ckpt.metadata, index), common_state_not_reread() as how:
         try:
             loaded = dist_checkpointing.load(sharded, str(ckpt.folder.root), **how)
         except CheckpointFileError:

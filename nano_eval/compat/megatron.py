@@ -83,7 +83,7 @@ class Release:
     # torch_dist checkpoints (nano_eval.checkpoints.megatron_dist). `common_state`: where Megatron-LM's save puts the
     # args, iteration and content metadata: "common.pt", or (0.19) "common_state", a ShardedObject inside the
     # .distcp files (a torch.save'd [dict]). `common_loader`: how dist_checkpointing.load reads it, which nano_eval
-    # answers with the state it already read with its own unpickler (megatron-core would torch.load it unchecked):
+    # answers with nothing, having read it with its own unpickler (megatron-core would torch.load it unchecked):
     # "common_strategy" (the load argument, 0.16), or the name of the function in
     # megatron.core.dist_checkpointing.serialization that load calls (0.17: the argument must be None).
     common_state: str
@@ -136,7 +136,8 @@ def release_warning(version: tuple[int, int, int] | None = None) -> str | None:
         return None
     low, high = (".".join(map(str, v)) for v in (TESTED[0], TESTED[-1]))
     what = ("greedy generation re-runs the prompt per token (no KV cache nano_eval has not verified)"
-            if release(version) is None else "the KV cache and checkpoint readers follow its minor release's row")
+            if release(version) is None else f"nano_eval treats it as {version[0]}.{version[1]} "
+            "(nano_eval.compat.megatron.RELEASES)")
     return (f"nano_eval: warning: megatron-core {'.'.join(map(str, version))} is outside the releases nano_eval is "
             f"tested on ({low} to {high}); {what}. Check scores against a tested release before trusting them.")
 
@@ -181,11 +182,12 @@ def inference_mode_active() -> bool:
 
 
 @contextlib.contextmanager
-def common_state_already_read(common: dict) -> Iterator[dict]:
-    """Inside: megatron-core's dist_checkpointing.load gets `common` (read by nano_eval's own unpickler) instead of
-    reading the checkpoint's common state itself (Release.common_loader). Yields the keyword arguments to pass to
-    `load`; raises NanoEvalError where this release reads it some way nano_eval does not know, and after the load
-    if load never asked (it would have read it another way)."""
+def common_state_not_reread() -> Iterator[dict]:
+    """Inside: megatron-core's dist_checkpointing.load does not read (unpickle) the checkpoint's common state, which
+    nano_eval already read with its own unpickler: the hook this release's load reads it through
+    (Release.common_loader) returns an empty dict (the caller keeps only the loaded tensors). Yields the keyword
+    arguments to pass to `load`; raises NanoEvalError where this release reads it some way nano_eval does not know,
+    and after the load if load never asked (it would have read it another way)."""
     from megatron.core.dist_checkpointing import serialization
 
     row = release()
@@ -193,12 +195,12 @@ def common_state_already_read(common: dict) -> Iterator[dict]:
     if row is not None and row.common_loader == "common_strategy":
         from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
 
-        class AlreadyRead(TorchCommonLoadStrategy):
+        class NotReread(TorchCommonLoadStrategy):
             def load_common(self, checkpoint_dir):
                 asked.append(checkpoint_dir)
-                return dict(common)
+                return {}
 
-        yield {"common_strategy": AlreadyRead()}
+        yield {"common_strategy": NotReread()}
         _check_asked(asked)
         return
     name = row.common_loader if row is not None else None
@@ -208,11 +210,11 @@ def common_state_already_read(common: dict) -> Iterator[dict]:
                             f"megatron-core {'.'.join(map(str, TESTED[0]))} to {'.'.join(map(str, TESTED[-1]))}.")
     original = getattr(serialization, name)
 
-    def already_read(checkpoint_dir, *args, **kwargs):
+    def not_reread(checkpoint_dir, *args, **kwargs):
         asked.append(checkpoint_dir)
-        return dict(common)
+        return {}
 
-    setattr(serialization, name, already_read)
+    setattr(serialization, name, not_reread)
     try:
         yield {}
     finally:
