@@ -4,6 +4,10 @@ from upstream's defaults instead of a hand-written subset.
 
     git clone https://github.com/NVIDIA/Megatron-LM && python scripts/megatron_lm_defaults.py Megatron-LM
 
+(megatron-core 0.19.2 has no tag of its own; the megatron-core wheel ships Megatron-LM's `megatron/training` from 0.17
+on, and 0.19.2's arguments.py, transformer_config.py and model_parallel_config.py are core_v0.19.0's, which
+tests/test_megatron_args.py checks against the installed wheel where that is 0.19.)
+
 For each release in RELEASES, the tag's `megatron/training/arguments.py` is parsed with `ast`:
 - every `add_argument(...)` call gives its `dest` (or the name from its first `--flag`) and its default
   (`store_true` -> False, `store_false` -> True, `default=<literal>`, None otherwise);
@@ -24,7 +28,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-RELEASES = ("core_v0.15.3", "core_v0.16.1")  # the last with --apply-layernorm-1p / --norm-epsilon; the installed one
+# the last with --apply-layernorm-1p / --norm-epsilon; the main environment's; the newest (CI's .venv-mc19: 0.19.2)
+RELEASES = ("core_v0.15.3", "core_v0.16.1", "core_v0.19.0")
+ARGUMENTS, CONFIGS = "megatron/training/arguments.py", (
+    ("megatron/core/model_parallel_config.py", "ModelParallelConfig"),
+    ("megatron/core/transformer/transformer_config.py", "TransformerConfig"))
 OUT = Path(__file__).resolve().parents[1] / "tests" / "megatron_lm_defaults.json"
 MODEL_MATH = (
     # sizes and layout of the network
@@ -51,6 +59,8 @@ MODEL_MATH = (
     "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_layer_freq", "moe_grouped_gemm",
     "moe_apply_probs_on_input", "moe_latent_size", "moe_token_dispatcher_type", "moe_expert_capacity_factor",
     "moe_pad_expert_input_to_capacity", "moe_input_jitter_eps",
+    # core 0.19's
+    "use_mup", "moe_mlp_glu_interleave_size", "moe_shared_expert_glu_interleave_size", "moe_router_force_biased",
     # whole-model switches
     "mtp_num_layers", "heterogeneous_layers_config_path", "use_legacy_models", "spec", "yaml_cfg",
     "hybrid_override_pattern", "is_hybrid_model", "transformer_impl",
@@ -129,20 +139,24 @@ def _field_default(value):
 
 
 def release_defaults(repo: Path, tag: str) -> dict:
-    args_tree = ast.parse(_git_show(repo, tag, "megatron/training/arguments.py"))
+    commit = subprocess.run(["git", "-C", str(repo), "rev-list", "-n", "1", tag], check=True, capture_output=True,
+                            text=True).stdout.strip()
+    source, defaults = model_math_defaults(lambda path: _git_show(repo, tag, path))
+    return {"source": f"NVIDIA/Megatron-LM {tag} ({commit}): {source}", "defaults": defaults}
+
+
+def model_math_defaults(read) -> tuple[str, dict]:
+    """(which files, {argument: default} for MODEL_MATH) of one release; read(path in the repository) -> text."""
+    args_tree = ast.parse(read(ARGUMENTS))
     defaults = {}
     exclude = _factory_excludes(args_tree)
     if exclude is not None:
-        for path, cls in (("megatron/core/model_parallel_config.py", "ModelParallelConfig"),
-                          ("megatron/core/transformer/transformer_config.py", "TransformerConfig")):
-            fields = _dataclass_defaults(_git_show(repo, tag, path), cls)
+        for path, cls in CONFIGS:
+            fields = _dataclass_defaults(read(path), cls)
             defaults.update({k: v for k, v in fields.items() if k not in exclude})
     defaults.update(_cli_defaults(args_tree))
-    commit = subprocess.run(["git", "-C", str(repo), "rev-list", "-n", "1", tag], check=True, capture_output=True,
-                            text=True).stdout.strip()
-    return {"source": f"NVIDIA/Megatron-LM {tag} ({commit}): megatron/training/arguments.py"
-                      + (" + TransformerConfig fields" if exclude is not None else ""),
-            "defaults": {k: defaults[k] for k in MODEL_MATH if k in defaults}}
+    return (ARGUMENTS + (" + TransformerConfig fields" if exclude is not None else ""),
+            {k: defaults[k] for k in MODEL_MATH if k in defaults})
 
 
 def main(repo: str) -> None:

@@ -1,5 +1,8 @@
-"""Shared fixtures: a toy checkpoint built once per test session (seconds, no download); and the process guard
-(tests/process_guard.py): a test that leaves a process running fails, and so does a session that does."""
+"""Shared fixtures: a toy checkpoint built once per test session (seconds, no download); the process guard
+(tests/process_guard.py): a test that leaves a process running fails, and so does a session that does; and the
+megatron-core version matrix: with NANO_EVAL_REQUIRE_MEGATRON=<version> (CI's run in .venv-mc19, built by
+scripts/setup_megatron_019.sh) the session refuses to start on any other megatron-core, and every skip (a missing
+framework, a part that did not run) is a failure instead."""
 
 import os
 from pathlib import Path
@@ -13,6 +16,42 @@ from tests.process_guard import (  # noqa: F401  (pytest hooks, found here by na
 # that pip once installed in editable mode from a different checkout.
 os.environ["PYTHONPATH"] = os.pathsep.join(
     p for p in (str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")) if p)
+
+REQUIRED_MEGATRON = os.environ.get("NANO_EVAL_REQUIRE_MEGATRON")  # e.g. "0.19.2": that release, or fail
+
+
+def pytest_sessionstart(session):
+    if not REQUIRED_MEGATRON:
+        return
+    try:
+        from nano_eval.compat.megatron import megatron_core_version
+        installed = ".".join(map(str, megatron_core_version()))
+    except ImportError:
+        installed = "none"
+    if installed != REQUIRED_MEGATRON:
+        raise pytest.UsageError(f"NANO_EVAL_REQUIRE_MEGATRON={REQUIRED_MEGATRON} but megatron-core {installed} is "
+                                "installed here. Fix: run in the venv of scripts/setup_megatron_019.sh "
+                                "(.venv-mc19/bin/python -m pytest ...), as .ci/run does.")
+
+
+def _required_not_skipped(report) -> None:
+    """Under NANO_EVAL_REQUIRE_MEGATRON a skipped test or module is a failure (the version matrix must run)."""
+    if REQUIRED_MEGATRON and report.skipped and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[-1] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome = "failed"
+        report.longrepr = f"NANO_EVAL_REQUIRE_MEGATRON={REQUIRED_MEGATRON} but this was skipped: {reason}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    _required_not_skipped(outcome.get_result())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    outcome = yield
+    _required_not_skipped(outcome.get_result())
 
 
 @pytest.fixture(scope="session")

@@ -61,6 +61,39 @@ def make_megatron(root: Path) -> None:
     save_dist_checkpoint(model, args, root / "torch_dist", ITERATION)
 
 
+def edit_common_state(iter_dir: Path, edit) -> None:
+    """Apply `edit(common dict)` to a torch_dist checkpoint's common state where the installed megatron-core saved
+    it: common.pt (up to 0.18), or the index's common_state entry (0.19: the new torch.save'd [dict] is appended to
+    its .distcp file and the entry points there). The test's own genuine files: plain torch.load / pickle."""
+    import io
+    import pickle
+
+    import torch
+
+    from nano_eval.checkpoints.megatron_dist import COMMON_STATE
+
+    if (iter_dir / "common.pt").is_file():
+        common = torch.load(iter_dir / "common.pt", weights_only=False)
+        edit(common)
+        torch.save(common, iter_dir / "common.pt")
+        return
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    index = pickle.loads((iter_dir / ".metadata").read_bytes())
+    info = index.storage_data[MetadataIndex(COMMON_STATE)]
+    data = iter_dir / info.relative_path
+    with data.open("rb") as f:
+        f.seek(info.offset)
+        common = torch.load(io.BytesIO(f.read(info.length)), weights_only=False)[0]
+    edit(common)
+    blob = io.BytesIO()
+    torch.save([common], blob)
+    info.offset, info.length = data.stat().st_size, len(blob.getvalue())
+    with data.open("ab") as f:
+        f.write(blob.getvalue())
+    (iter_dir / ".metadata").write_bytes(pickle.dumps(index))
+
+
 def make_all(root: Path, tokenizer_dir: Path) -> dict[str, Path]:
     import os
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 DEFAULTS = Path(__file__).resolve().parent / "megatron_lm_defaults.json"
-NEW, OLD = "core_v0.16.1", "core_v0.15.3"
+NEW, OLD, NEWEST = "core_v0.16.1", "core_v0.15.3", "core_v0.19.0"  # 0.19.2 ships core_v0.19.0's arguments.py
 SIZES = dict(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, max_position_embeddings=64,
              seq_length=64, padded_vocab_size=128)
 MOE = dict(num_experts=4, moe_ffn_hidden_size=32, moe_token_dispatcher_type="alltoall")
@@ -30,6 +30,10 @@ ROPE = dict(position_embedding_type="rope")
 # name: (release whose defaults and names the args use, the arguments set, expected: "same" or the refused name)
 VARIANTS = {
     "defaults (LayerNorm, GELU, biases, learned positions, tied)": (NEW, {}, "same"),
+    "core 0.19 defaults": (NEWEST, {}, "same"),
+    "Llama with core 0.19 defaults: rope, swiglu, GQA, RMSNorm, no biases, untied": (NEWEST, dict(
+        ROPE, swiglu=True, group_query_attention=True, num_query_groups=2, normalization="RMSNorm",
+        add_bias_linear=False, untie_embeddings_and_output_weights=True), "same"),
     "--apply-layernorm-1p --norm-epsilon (core 0.15 names)": (OLD, dict(apply_layernorm_1p=True, norm_epsilon=0.5),
                                                                "same"),
     "--apply-layernorm-1p --norm-epsilon (core 0.16 names), RMSNorm": (
@@ -69,6 +73,9 @@ VARIANTS = {
                                "rope_scaling_factor"),
     "multi-latent attention": (NEW, dict(ROPE, multi_latent_attention=True), "multi_latent_attention"),
     "yarn": (NEW, dict(position_embedding_type="yarn"), "position_embedding_type"),
+    "maximal-update parameterisation (core 0.19)": (NEWEST, dict(use_mup=True), "use_mup"),
+    "random router bias (core 0.19)": (NEWEST, dict(**MOE, moe_router_force_biased=0.1,
+                                                    moe_router_load_balancing_type="none"), "moe_router_force_biased"),
 }
 LEGACY = ("--apply-layernorm-1p --norm-epsilon (core 0.15 names)",)  # also saved in the legacy format
 ITERATION = 7
@@ -303,10 +310,64 @@ def dropless_checks(tokenizer_dir) -> dict:
     return out
 
 
+def cache_contract_checks(tokenizer_dir) -> dict:
+    """The KV-cache decoder on megatron-core's GPTModel (tp1) as built, and with the release's behaviour moved the
+    two ways a decoder could go silently wrong: the output layer handed the last column only (what megatron-core's
+    switch does where it is obeyed: always up to 0.17, under its InferenceMode from 0.18), and attention no longer
+    writing and reading the static KV cache. {case: "decoded" (cached tokens == re-run tokens) or the error}."""
+    from megatron.core.transformer.attention import Attention
+    from transformers import AutoTokenizer
+
+    from nano_eval.backends.base import evaluation_mode
+    from nano_eval.backends.megatron import MegatronModel
+    from nano_eval.backends.megatron_cache import StaticCache
+    from nano_eval.compat.megatron import release
+    from tests.generation_checks import Rerunning, generate
+    from tests.megatron_gpt import GPTConfig, build_gpt_chunks
+    from tests.megatron_worker import _setup
+
+    out = {}
+    for case in ("as built", "last column only", "no KV cache"):
+        _setup(1)
+        backend = MegatronModel(build_gpt_chunks(), AutoTokenizer.from_pretrained(tokenizer_dir),
+                                max_length=GPTConfig().max_position_embeddings)
+        allocate, adjust, mode = StaticCache.allocate, Attention._adjust_key_value_for_inference, None
+        if case == "last column only":
+            def last_column_only(self, rows, columns):
+                allocate(self, rows, columns)
+                owner = self.context.config if hasattr(self.context, "config") else self.context
+                owner.materialize_only_last_token_logits = True
+
+            StaticCache.allocate = last_column_only
+            if release().inference_mode_flag:
+                from megatron.core.inference.utils import InferenceMode as mode
+
+                mode.set_active()
+        elif case == "no KV cache":  # the attention of a model called without a context: this call's columns only
+            def no_cache(self, context, q, k, v, rotary, *rest, **kw):
+                rotary = None if rotary is None else tuple(r[:q.shape[0]] for r in rotary)
+                return q, k, v, rotary, self.attn_mask_type, None
+
+            Attention._adjust_key_value_for_inference = no_cache
+        try:
+            with evaluation_mode(backend.module):
+                cached, rerun = generate(backend, []), generate(Rerunning(backend), [])
+            out[case] = "decoded" if cached == rerun else "decoded differently"
+        except Exception as e:  # noqa: BLE001 -- the message is the result
+            out[case] = f"{type(e).__name__}: {e}"
+        finally:
+            StaticCache.allocate, Attention._adjust_key_value_for_inference = allocate, adjust
+            if mode is not None:
+                mode.unset_active()
+    return out
+
+
 def all_checks(rank, world, tokenizer_dir, root) -> dict:
-    """The one spawned rank of tests/test_megatron_args.py: the argument variants, then the dropless checks."""
+    """The one spawned rank of tests/test_megatron_args.py: the argument variants, then the dropless checks and the
+    KV cache's contract checks."""
     start = time.monotonic()
     out = {"variants": variants(rank, world, tokenizer_dir, root)}
     out["dropless"] = dropless_checks(tokenizer_dir)
+    out["cache_contract"] = cache_contract_checks(tokenizer_dir)
     out["seconds"] = round(time.monotonic() - start, 1)
     return out

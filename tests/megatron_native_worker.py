@@ -30,14 +30,13 @@ def _live_logits(model, ids):
 def _save(model, optimizer, args: Namespace, root: Path, metadata: dict) -> None:
     """What Megatron-LM's save_checkpoint writes for --ckpt-format torch_dist: model and (if any) optimizer sharded
     state with `metadata` (+ the dp_cp group), the scheduler's plain state, an RNG ShardedObject per rank; the
-    content metadata in common.pt; rank 0 writes the tracker."""
+    content metadata in the common state (common.pt, or 0.19's common_state entry); rank 0 writes the tracker."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing import ShardedObject
 
     from nano_eval.compat.megatron import unwrap
-    from tests.megatron_worker import cpu_torch_dist_strategy
 
     full = {**metadata, "dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
     state = {"args": args, "checkpoint_version": 3.0, "iteration": ITERATION,
@@ -54,7 +53,7 @@ def _save(model, optimizer, args: Namespace, root: Path, metadata: dict) -> None
     state["num_floating_point_operations_so_far"] = 0
     iter_dir = root / f"iter_{ITERATION:07d}"
     iter_dir.mkdir(parents=True, exist_ok=True)
-    dist_checkpointing.save(state, str(iter_dir), cpu_torch_dist_strategy(), content_metadata=metadata)
+    dist_checkpointing.save(state, str(iter_dir), content_metadata=metadata)  # megatron-core's writer
     if dist.get_rank() == 0:
         (root / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
     dist.barrier()  # after the tracker: a rank that loads the run dir next must find it
@@ -155,18 +154,19 @@ def _moe_model(grouped: bool):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-    from megatron.core.transformer.moe import grouped_gemm_util
-
     from tests.megatron_gpt import GPTConfig
     from tests.megatron_moe import EXPERTS, moe_config
 
-    grouped_gemm_util.grouped_gemm, grouped_gemm_util.ops = _GroupedGemm, _GroupedGemm.ops
+    if grouped:  # megatron-core <= 0.16 (has_grouped_mlp)
+        from megatron.core.transformer.moe import grouped_gemm_util
+
+        grouped_gemm_util.grouped_gemm, grouped_gemm_util.ops = _GroupedGemm, _GroupedGemm.ops
     model_parallel_cuda_manual_seed(1234)
     cfg = GPTConfig()
     config = moe_config(cfg, expert_model_parallel_size=ps.get_expert_model_parallel_world_size())
     config.moe_grouped_gemm = grouped
-    spec = get_gpt_layer_local_spec(num_experts=EXPERTS, moe_grouped_gemm=grouped,
-                                    moe_use_legacy_grouped_gemm=grouped, normalization="RMSNorm")
+    legacy = {"moe_use_legacy_grouped_gemm": grouped} if grouped else {}  # the argument is gone from 0.17
+    spec = get_gpt_layer_local_spec(num_experts=EXPERTS, moe_grouped_gemm=grouped, normalization="RMSNorm", **legacy)
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=cfg.vocab_size,
                      max_sequence_length=cfg.max_position_embeddings, parallel_output=True,
                      share_embeddings_and_output_weights=False, position_embedding_type="rope",
@@ -181,17 +181,35 @@ def _moe_model(grouped: bool):
     return model.eval()
 
 
-MOE_CASES = [("grouped GEMM at ep2 -> SequentialMLP", 2, True, False, (2, 1)),
-             ("SequentialMLP at ep1, singleton_local_shards", 1, False, True, (2, 1))]
-EP4_CASES = [("SequentialMLP at ep4", 4, False, False, (4, 2, 1)),  # the slow set's world of 4
-             ("grouped GEMM at ep1 -> SequentialMLP at ep4", 1, True, False, (4,))]
+def has_grouped_mlp() -> bool:
+    """Whether the installed megatron-core has GroupedMLP (the legacy grouped GEMM, gone from 0.17: its grouped
+    experts are TEGroupedMLP, which needs Transformer Engine; nano_eval.compat.megatron.Release.experts)."""
+    from nano_eval.compat.megatron import release
+
+    row = release()
+    return row is not None and "GroupedMLP" in row.experts
+
+
+def moe_cases() -> list:
+    """(name, saved ep, grouped GEMM, singleton_local_shards, eps to load in) of the world of 2: grouped-GEMM experts
+    saved at ep2 where the release builds them on CPU (else SequentialMLP saved at ep2), loaded into SequentialMLP
+    at ep2 and ep1; SequentialMLP experts saved at ep1 with singleton_local_shards, loaded at ep2 and ep1."""
+    first = (("grouped GEMM at ep2 -> SequentialMLP", 2, True, False, (2, 1)) if has_grouped_mlp()
+             else ("SequentialMLP at ep2", 2, False, False, (2, 1)))
+    return [first, ("SequentialMLP at ep1, singleton_local_shards", 1, False, True, (2, 1))]
+
+
+def ep4_cases() -> list:
+    """The slow set's world of 4: SequentialMLP saved at ep4, loaded at ep4, ep2, ep1; experts saved at ep1 (grouped
+    GEMM where the release builds it) loaded into SequentialMLP at ep4."""
+    last = (("grouped GEMM at ep1 -> SequentialMLP at ep4", 1, True, False, (4,)) if has_grouped_mlp()
+            else ("SequentialMLP at ep1 -> ep4", 1, False, False, (4,)))
+    return [("SequentialMLP at ep4", 4, False, False, (4, 2, 1)), last]
 
 
 def moe_paths(rank, world, tokenizer_dir, root, cases=None) -> dict:
     """{case: {ep it loads in: max logit difference from the live model}} for each (name, saved ep, grouped GEMM,
-    singleton_local_shards, eps to load in) of `cases` (MOE_CASES: grouped-GEMM experts saved at ep2 loaded into
-    SequentialMLP at ep2 and ep1; SequentialMLP experts saved at ep1 with singleton_local_shards loaded at ep2 and
-    ep1)."""
+    singleton_local_shards, eps to load in) of `cases` (default: moe_cases())."""
     from nano_eval.checkpoints.megatron_native import load_native
     from tests.megatron_gpt import GPTConfig
     from tests.megatron_moe import moe_args
@@ -200,7 +218,7 @@ def moe_paths(rank, world, tokenizer_dir, root, cases=None) -> dict:
     root = Path(root)
     ids = torch.randint(0, GPTConfig().vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
     out = {}
-    for case, ep, grouped, singleton, load_eps in cases or MOE_CASES:
+    for case, ep, grouped, singleton, load_eps in cases or moe_cases():
         _setup(1, ep=ep)
         model = _moe_model(grouped)
         # GroupedMLP asserts config.bf16 at every forward (its CUDA kernel's only dtype); the double computes in fp32,
@@ -230,4 +248,4 @@ def all_paths(rank, world, tokenizer_dir, root) -> dict:
 
 def ep4_paths(rank, world, tokenizer_dir, root) -> dict:
     """The slow set's world of 4: ep4 -> ep2 -> ep1, and grouped GEMM at ep1 -> ep4."""
-    return moe_paths(rank, world, tokenizer_dir, root, EP4_CASES)
+    return moe_paths(rank, world, tokenizer_dir, root, ep4_cases())

@@ -470,26 +470,6 @@ def training_checks(tokenizer_dir, hook_dir, wandb_dir) -> dict:
             "publisher": hook.hook.is_publisher, "evaluated_steps": hook.hook.evaluated_steps}
 
 
-def cpu_torch_dist_strategy():
-    """megatron-core's torch_dist save strategy, writing with torch's synchronous FileSystemWriter.
-
-    Not a mock: the state-dict translation, the planner and the file format are megatron-core's and
-    torch.distributed.checkpoint's own. Only the writer differs: megatron-core 0.16's async writer calls
-    torch.cuda.synchronize() / torch.cuda.current_device(), so `dist_checkpointing.save` fails on a CPU build."""
-    import torch.distributed.checkpoint as dcp
-    from megatron.core.dist_checkpointing.strategies.torch import (
-        MCoreSavePlanner, TorchDistSaveShardedStrategy, _replace_state_dict_keys_with_sharded_keys,
-        mcore_to_pyt_state_dict)
-
-    class CpuTorchDistSave(TorchDistSaveShardedStrategy):
-        def save(self, sharded_state_dict, checkpoint_dir):
-            state, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, self.keep_only_main_replica)
-            dcp.save(mcore_to_pyt_state_dict(state, False), storage_writer=dcp.FileSystemWriter(checkpoint_dir),
-                     planner=MCoreSavePlanner(can_run_decentralized_global_plan=False, flatten_state_dict=False))
-
-    return CpuTorchDistSave("torch_dist", 1)
-
-
 def gpt_model_from_args(args):
     """The product's own GPTModel builder (the torch_dist loader's: local spec, from Megatron-LM's args) on this
     rank's TP shard and PP stage, holding the seed-0 weights (with tied embeddings, lm_head is not used)."""
@@ -541,7 +521,10 @@ def save_legacy_checkpoint(model, args, root: Path, iteration: int):
 def save_dist_checkpoint(model, args, root: Path, iteration: int):
     """What Megatron-LM's save_checkpoint writes for --ckpt-format torch_dist (--no-save-optim): one
     dist_checkpointing.save of {args, checkpoint_version, iteration, model (sharded), rng_state (a ShardedObject per
-    TP x PP rank), num_floating_point_operations_so_far} with its content metadata; rank 0 writes the tracker."""
+    TP x PP rank), num_floating_point_operations_so_far} with its content metadata, through megatron-core's own
+    default save strategy and file writer (its CUDA calls answered by tests/megatron_cpu.py); so the files are the
+    installed release's: `common.pt` up to 0.18, the `common_state` entry inside the .distcp files from 0.19. Rank 0
+    writes the tracker."""
     import random
 
     import numpy as np
@@ -564,7 +547,7 @@ def save_dist_checkpoint(model, args, root: Path, iteration: int):
              "num_floating_point_operations_so_far": 0}
     iter_dir = root / f"iter_{iteration:07d}"
     iter_dir.mkdir(parents=True, exist_ok=True)
-    dist_checkpointing.save(state, str(iter_dir), cpu_torch_dist_strategy(), content_metadata=metadata)
+    dist_checkpointing.save(state, str(iter_dir), content_metadata=metadata)
     dist.barrier()  # every rank's shard is saved before the tracker names the iteration
     if dist.get_rank() == 0:
         (root / "latest_checkpointed_iteration.txt").write_text(str(iteration))

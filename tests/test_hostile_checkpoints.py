@@ -2,7 +2,7 @@
 `nano_eval: error:`-style message, and none of its payloads leaves its mark.
 
 Each file kind the product unpickles is covered: a torch_dist `.metadata` (our own allow-listed unpickler), its
-`common.pt`, a legacy `model_optim_rng.pt` and a transformers `pytorch_model.bin` (torch.load(weights_only=True)).
+common state (`common.pt`, or megatron-core 0.19's `common_state` entry inside a .distcp file), a legacy `model_optim_rng.pt` and a transformers `pytorch_model.bin` (torch.load(weights_only=True)).
 """
 
 import pickle
@@ -64,7 +64,19 @@ def test_torch_dist_metadata_is_refused(tmp_path, sentinel):
             assert not sentinel.exists(), f"{p.name} ({how}) ran"
 
 
-@pytest.mark.parametrize("kind", ["common.pt", "legacy model_optim_rng.pt"])
+def _common_state_index(length: int) -> bytes:
+    """megatron-core 0.19's torch_dist index: one bytes entry, the common state, at bytes 0..length of
+    __0_0.distcp."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
+
+    from nano_eval.checkpoints.megatron_dist import COMMON_STATE
+
+    return pickle.dumps(Metadata(state_dict_metadata={COMMON_STATE: BytesStorageMetadata()},
+                                 storage_data={MetadataIndex(COMMON_STATE): _StorageInfo("__0_0.distcp", 0, length)}))
+
+
+@pytest.mark.parametrize("kind", ["common.pt", "common_state in a .distcp file", "legacy model_optim_rng.pt"])
 def test_megatron_pickles_are_refused(tmp_path, sentinel, kind):
     from nano_eval.checkpoints.megatron_dist import read_common
     from nano_eval.checkpoints.megatron_legacy import load_megatron_llama_as_hf
@@ -76,6 +88,12 @@ def test_megatron_pickles_are_refused(tmp_path, sentinel, kind):
                 iter_dir.mkdir(parents=True)
                 (iter_dir / "common.pt").write_bytes(torch_zip(checkpoint_pickle(p, how)))
                 load = lambda: read_common(iter_dir)  # noqa: E731
+            elif kind.startswith("common_state"):  # megatron-core 0.19 writes no common.pt
+                iter_dir.mkdir(parents=True)
+                blob = torch_zip(checkpoint_pickle(p, how))
+                (iter_dir / "__0_0.distcp").write_bytes(blob)
+                (iter_dir / ".metadata").write_bytes(_common_state_index(len(blob)))
+                load = lambda: load_megatron_llama_as_hf(iter_dir)  # noqa: E731
             else:
                 (iter_dir / "mp_rank_00").mkdir(parents=True)
                 (iter_dir / "mp_rank_00" / "model_optim_rng.pt").write_bytes(torch_zip(checkpoint_pickle(p, how)))

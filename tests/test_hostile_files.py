@@ -261,10 +261,11 @@ def test_compressed_records_are_refused(genuine_checkpoints, toy_checkpoint, tmp
 
 
 def test_args_declaring_a_huge_vocabulary_are_refused_before_building(genuine_checkpoints, toy_checkpoint, tmp_path):
+    from tests.genuine_checkpoints import edit_common_state
+
     iter_dir = copy_of(genuine_checkpoints, "torch_dist", tmp_path)
-    common = torch.load(iter_dir / "common.pt", weights_only=False)
-    common["args"].padded_vocab_size = 2_000_000_000  # 512 GB of embeddings at hidden 64
-    torch.save(common, iter_dir / "common.pt")
+    edit_common_state(iter_dir, lambda common: setattr(common["args"], "padded_vocab_size", 2_000_000_000))
+    # 512 GB of embeddings at hidden 64
     text = refused(iter_dir, options("torch_dist", toy_checkpoint), within_s=30)
     assert "describe a model of" in text and "files hold only" in text
 

@@ -364,17 +364,73 @@ def test_hook_step_follows_megatron_lm_args():
     assert consumed_tokens(Namespace(seq_length=16, consumed_train_samples=40), 10) == 640
 
 
+MEGATRON_LM_ARGS = """
+import sys
+from argparse import Namespace
+
+if sys.argv[1] == "python 3.12":  # what megatron.training needs of 3.12 (typing.override), given to this 3.11
+    import typing
+
+    typing.override = getattr(typing, "override", lambda f: f)
+from nano_eval.compat.megatron import megatron_lm_args
+
+try:
+    import megatron.training as training
+except ImportError as e:
+    print("not importable", type(e).__name__, megatron_lm_args())
+    sys.exit(0)
+try:
+    training.get_args()
+except AssertionError as e:  # a plain megatron-core loop: nobody initialised Megatron-LM's args
+    print("asserts", repr(str(e)), megatron_lm_args())
+from megatron.training.global_vars import set_args
+
+set_args(Namespace(iteration=7))
+print("set", megatron_lm_args())
+"""
+
+
+@pytest.mark.parametrize("python", ["python 3.11", "python 3.12"])
+def test_megatron_lm_args_outside_pretrain_are_none(python):
+    """The megatron-core 0.17+ wheel ships Megatron-LM's megatron/training: on Python 3.11 0.18+'s is not importable
+    (it imports typing.override), on 3.12+ it is, and get_args() asserts "args is not initialized" in a plain
+    megatron-core loop. Either way the hook's default get_args (compat.megatron_lm_args) gives None, as without
+    Megatron-LM; once pretrain set them, the args. A release without megatron/training (0.16): not importable."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-W", "ignore", "-c", MEGATRON_LM_ARGS, python], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.strip().splitlines()
+    ships_training = importlib.util.find_spec("megatron.training") is not None  # the 0.17+ wheel holds it
+    if not ships_training:
+        assert lines == ["not importable ModuleNotFoundError None"], lines
+    elif lines[0].startswith("not importable"):  # 0.18+ on 3.11: typing.override
+        assert python == "python 3.11" and lines == ["not importable ImportError None"], lines
+    else:  # 3.12+, or 0.17 on any Python
+        assert lines == ["asserts 'args is not initialized.' None", "set Namespace(iteration=7)"], lines
+
+
 def test_checkpoint_errors_say_what_to_do(tmp_path):
     from nano_eval.checkpoints.megatron_args import load_shard
     from nano_eval.checkpoints.megatron_legacy import is_megatron_checkpoint, load_megatron_llama_as_hf
+
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import Metadata
 
     dist_ckpt = tmp_path / "iter_0000005"
     dist_ckpt.mkdir()
     (dist_ckpt / ".metadata").write_bytes(b"")
     (dist_ckpt / "__0_0.distcp").write_bytes(b"")
     assert is_megatron_checkpoint(str(dist_ckpt)) and not is_megatron_checkpoint(str(tmp_path))
-    with pytest.raises(NanoEvalError, match="no common.pt"):  # torch_dist: tests/test_megatron_dist_ckpt.py
+    with pytest.raises(NanoEvalError, match=r"\.metadata: refused to load"):  # torch_dist: test_megatron_dist_ckpt.py
         load_megatron_llama_as_hf(dist_ckpt)
+    (dist_ckpt / ".metadata").write_bytes(pickle.dumps(Metadata(state_dict_metadata={}, storage_data={})))
+    with pytest.raises(NanoEvalError, match="has no common.pt and its index has no common_state/shard_0_1 entry"):
+        load_megatron_llama_as_hf(dist_ckpt)  # neither megatron-core <= 0.18's common state nor 0.19's
 
     partial = tmp_path / "iter_0000006"
     (partial / "mp_rank_01").mkdir(parents=True)

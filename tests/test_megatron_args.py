@@ -3,7 +3,8 @@
 One spawned rank (tests/megatron_args_worker.py) builds, for each variant of Megatron-LM's own default arguments,
 the GPTModel Megatron-LM builds (its `core_transformer_config_from_args` rules restated in the test), saves it as
 torch_dist (one also legacy), loads it with nano_eval's loader and compares the logits: every argument that changes
-the math is applied (same logits) or refused by name. The defaults come from upstream's arguments.py
+the math is applied (same logits) or refused by name. The same rank checks that the MoE dropless switch and the
+KV-cache decoder fail closed. The defaults come from upstream's arguments.py
 (tests/megatron_lm_defaults.json, written by scripts/megatron_lm_defaults.py; no network here).
 """
 
@@ -55,14 +56,38 @@ def test_each_argument_scores_like_the_live_model_or_is_refused_by_name(variants
         assert f"argument {expected}=" in message and "Fix:" in message and "\n" not in message, got
 
 
-def test_the_loaders_defaults_are_megatron_lms():
-    """A missing argument means Megatron-LM's default: nano_eval's table agrees with upstream's arguments.py."""
+@pytest.mark.parametrize("release", ["core_v0.16.1", "core_v0.19.0"])
+def test_the_loaders_defaults_are_megatron_lms(release):
+    """A missing argument means Megatron-LM's default: nano_eval's table agrees with upstream's arguments.py of
+    core 0.16.1 and of core 0.19 (whose names it has: 0.19 dropped --use-legacy-models and added --use-mup and the
+    other names DEFAULTS lists as 0.19's)."""
     from nano_eval.checkpoints.megatron_config import DEFAULTS
 
-    upstream = json.loads(DEFAULTS_JSON.read_text())["core_v0.16.1"]["defaults"]
+    tables = json.loads(DEFAULTS_JSON.read_text())
+    upstream = tables[release]["defaults"]
     shared = sorted(set(DEFAULTS) & set(upstream))
-    assert len(shared) >= len(DEFAULTS) - 1, sorted(set(DEFAULTS) - set(upstream))  # heterogeneous_*: 0.15 only
     assert {k: DEFAULTS[k] for k in shared} == {k: upstream[k] for k in shared}
+    everywhere = set().union(*(t["defaults"] for t in tables.values()))
+    assert not set(DEFAULTS) - everywhere - {"heterogeneous_layers_config_path"}  # that one: core 0.15 only
+    assert len(shared) >= len(DEFAULTS) - 5, sorted(set(DEFAULTS) - set(upstream))
+
+
+def test_the_core_019_table_is_the_installed_wheels():
+    """megatron-core 0.19.2 has no tag of its own; its wheel ships Megatron-LM's megatron/training. Where that wheel
+    is installed (CI's .venv-mc19), its arguments.py and config classes give exactly the table's core_v0.19.0
+    defaults (scripts/megatron_lm_defaults.py's parser on the installed files)."""
+    import importlib.util
+
+    from nano_eval.compat.megatron import megatron_core_version
+    from tests.script_loader import load_script
+
+    root = Path(importlib.util.find_spec("megatron.core").submodule_search_locations[0]).parent.parent
+    if megatron_core_version()[:2] != (0, 19) or not (root / "megatron" / "training" / "arguments.py").is_file():
+        pytest.skip(f"megatron-core {'.'.join(map(str, megatron_core_version()))} is installed, not a 0.19 wheel "
+                    "with megatron/training (CI's .venv-mc19 has one)")
+    script = load_script("scripts/megatron_lm_defaults.py", "megatron_lm_defaults")
+    _, installed = script.model_math_defaults(lambda path: (root / path).read_text())
+    assert installed == json.loads(DEFAULTS_JSON.read_text())["core_v0.19.0"]["defaults"]
 
 
 def test_every_model_math_argument_has_a_rule():
@@ -88,7 +113,8 @@ def test_unsupported_arguments_are_refused_in_one_line():
     sizes = dict(num_layers=2, hidden_size=64, num_attention_heads=4, padded_vocab_size=128, seq_length=64)
     for name, value in [("use_legacy_models", True), ("spec", ["my.module", "spec"]), ("yaml_cfg", "m.yaml"),
                         ("normalization", "L2Norm"), ("moe_latent_size", 16), ("is_hybrid_model", True),
-                        ("heterogeneous_layers_config_path", "h.json"), ("experimental_attention_variant", "dsa")]:
+                        ("heterogeneous_layers_config_path", "h.json"), ("experimental_attention_variant", "dsa"),
+                        ("use_mup", True), ("moe_mlp_glu_interleave_size", 32), ("moe_router_force_biased", 0.1)]:
         with pytest.raises(UnsupportedArgument, match=f"argument {name}=.*Fix: ") as error:
             translate({**sizes, name: value})
         assert isinstance(error.value, NanoEvalError) and error.value.argument == name
@@ -98,7 +124,7 @@ def test_dropless_scoring_fails_closed(world):
     """The MoE dropless switch refuses, by name and with megatron-core's version, a model whose dispatcher lacks a
     field it must switch (removed from a real alltoall dispatcher instance), a dispatcher class it does not know, or
     a flex dispatcher's manager without its capacity field; the intact model builds."""
-    from megatron.core import package_info
+    from nano_eval.compat.megatron import version_string
 
     got = world["dropless"]
     assert got["as built"] == "built"
@@ -106,8 +132,10 @@ def test_dropless_scoring_fails_closed(world):
                         ("unknown dispatcher", "RenamedTokenDispatcher is a token dispatcher nano_eval does not know"),
                         ("flex manager capacity_factor removed", "_DeepepManager has no 'capacity_factor'")]:
         assert got[case].startswith("NanoEvalError: cannot score this MoE model without token dropping"), got[case]
-        assert named in got[case] and package_info.__version__ in got[case] and "Fix:" in got[case], got[case]
-    dropped = got["router drops a token"]  # past the attribute check: the routing-map probe stops the forward
+        assert named in got[case] and version_string() in got[case] and "Fix:" in got[case], got[case]
+    # past the attribute check: the routing-map probe stops the forward as the map leaves the router, before a token
+    # dispatcher gets it (0.19's alltoall dispatcher crashed on it with a split-size RuntimeError)
+    dropped = got["router drops a token"]
     assert dropped.startswith("NanoEvalError: a MoE router dropped tokens while scoring (1 token-layer"), dropped
 
 
@@ -124,3 +152,18 @@ def test_the_transformers_converter_reads_the_same_names():
     for name in ("apply_layernorm_1p", "layernorm_zero_centered_gamma"):
         with pytest.raises(NanoEvalError, match="zero-centred.*--backend megatron"):
             hf_config_from_args({**llama, name: True}, 128)
+
+
+def test_kv_cache_decoding_fails_closed(world):
+    """Greedy generation from megatron-core's KV cache decodes exactly (tokens equal the re-run path's) as built; a
+    release whose output layer got the last column only, or whose attention stopped writing and reading the static
+    cache, stops the generation with one line naming megatron-core's version instead of decoding other tokens.
+    (Before the fix, megatron-core 0.19 took the first path silently: the decoder read the prompt's first column.)"""
+    from nano_eval.compat.megatron import version_string
+
+    got = world["cache_contract"]
+    assert got["as built"] == "decoded", got
+    for case in ("last column only", "no KV cache"):
+        message = got[case]
+        assert message.startswith("CacheContractError: greedy generation from megatron-core"), (case, message)
+        assert version_string() in message and "Fix:" in message and "\n" not in message, (case, message)

@@ -2,10 +2,11 @@
 
 The world of 4 ranks of tests/test_megatron.py (the `megatron_world` fixture) saves its live tp2 x dp2 GPTModel as
 Megatron-LM writes it: legacy (mp_rank_XX) and torch_dist (`dist_checkpointing.save` of the real GPTModel's
-sharded_state_dict; the one deviation, torch's synchronous file writer because megatron-core's async one needs
-CUDA, is explained in tests/megatron_worker.py), and its pp2 x dp2 model as torch_dist. That world then loads the
-tp2 torch_dist checkpoint on every rank, as run.py under torchrun does; the tests below load it in this process
-alone (a gloo world of 1 that the loader creates and removes).
+sharded_state_dict through megatron-core's own save strategy and file writer), and its pp2 x dp2 model as
+torch_dist. The files are the installed megatron-core's: the common state in `common.pt` (0.16), or as a
+`common_state` entry inside the .distcp files (0.19). That world then loads the tp2 torch_dist checkpoint on every
+rank, as run.py under torchrun does; the tests below load it in this process alone (a gloo world of 1 that the
+loader creates and removes).
 """
 
 import json
@@ -42,11 +43,21 @@ def converted(saved):
 
 
 def test_checkpoint_is_written_as_megatron_lm_writes_it(saved):
+    """The installed release's files: every rank's .distcp files, the index, metadata.json, and the common state as
+    a common.pt file (up to megatron-core 0.18) or as the index's common_state entry (0.19)."""
+    from nano_eval.checkpoints.megatron_dist import COMMON_STATE, read_metadata_safely
+    from nano_eval.compat.megatron import release
+
     run = saved["dist"]
     assert (run / "latest_checkpointed_iteration.txt").read_text() == str(ITERATION)
     files = sorted(p.name for p in (run / ITER).iterdir())
-    assert files == [".metadata", *(f"__{r}_0.distcp" for r in range(4)), "common.pt", "metadata.json"]
+    in_file = release().common_state == "common.pt"
+    assert [f for f in files if not f.endswith(".distcp")] == [".metadata", *(["common.pt"] if in_file else []),
+                                                               "metadata.json"]
+    writers = {f.split("_")[2] for f in files if f.endswith(".distcp")}  # __<rank>_<n>.distcp
+    assert {"0", "1"} <= writers <= {"0", "1", "2", "3"}  # the tp2 ranks of the main replica hold every shard
     assert json.loads((run / ITER / "metadata.json").read_text())["sharded_backend"] == "torch_dist"
+    assert (COMMON_STATE in read_metadata_safely(run / ITER).state_dict_metadata) != in_file
 
 
 def test_converter_reproduces_the_logical_weights(converted):
@@ -106,8 +117,16 @@ def test_unsafe_or_incomplete_checkpoints_are_refused(saved, tmp_path):
         load_megatron_llama_as_hf(unsafe)
     assert not marker.exists()
 
-    (unsafe / "common.pt").unlink()
-    with pytest.raises(NanoEvalError, match="no common.pt"):
+    shutil.copy(saved["dist"] / ITER / ".metadata", unsafe / ".metadata")
+    if (unsafe / "common.pt").exists():  # megatron-core <= 0.18's common state
+        (unsafe / "common.pt").unlink()
+    else:  # 0.19's: an entry of the index (our own file: plain pickle may read and rewrite it)
+        from nano_eval.checkpoints.megatron_dist import COMMON_STATE
+
+        index = pickle.loads((unsafe / ".metadata").read_bytes())
+        del index.state_dict_metadata[COMMON_STATE]
+        (unsafe / ".metadata").write_bytes(pickle.dumps(index))
+    with pytest.raises(NanoEvalError, match="has no common.pt and its index has no common_state"):
         load_megatron_llama_as_hf(unsafe)
 
 
@@ -164,7 +183,7 @@ def test_other_layouts_convert_exactly(tmp_path, tp, pp, untie):
     from tests.megatron_worker import save_dist_layout
     from tests.megatron_gpt import GPTConfig, logical_weights
 
-    run_distributed(save_dist_layout, tp * pp, str(tmp_path), tp, pp, untie, ITERATION)
+    run_distributed(save_dist_layout, tp * pp, str(tmp_path), tp, pp, untie, ITERATION, timeout=600)
     state = load_megatron_llama_as_hf(tmp_path / ITER).state_dict()
     expected = logical_weights(GPTConfig())
     if not untie:

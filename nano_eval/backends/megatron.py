@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from nano_eval.backends.base import Batch, note_rerun_generation
 from nano_eval.backends.megatron_packed import TreeForward, packed_rows_problem, tree_inputs
 from nano_eval.backends.megatron_scoring import ScoringState
-from nano_eval.compat.megatron import call_schedule, layout_from_megatron, unwrap
+from nano_eval.compat.megatron import call_schedule, layout_from_megatron, unwrap, warn_untested_release
 from nano_eval.errors import NanoEvalError
 from nano_eval.parallel import any_rank_true
 
@@ -65,6 +65,7 @@ class MegatronModel:
         first = next(self.chunks[0].parameters())
         self.device = torch.device(device) if device is not None else first.device
         self.layout = layout_from_megatron(pg_collection, "cuda" if self.device.type == "cuda" else "cpu")
+        warn_untested_release(self.layout.is_main)  # one line, outside megatron-core 0.16.1 to 0.19.2
         inner = unwrap(self.chunks[-1])
         if self.layout.tp_size > 1 and getattr(inner, "parallel_output", True) is False:
             raise NanoEvalError(

@@ -24,6 +24,19 @@ what makes each row see exactly what it would see alone is ours:
 While decoding, sequence parallelism and fused RoPE are switched off and restored after every call (same maths;
 megatron-core's static inference supports neither), and the output layer keeps vocab-parallel logits.
 
+Which column's logits: the context is built to hand the output layer EVERY new column (`[n, b, H]`,
+nano_eval.compat.megatron.static_inference_context) and each row's logits are picked at its last one, on every
+release. (megatron-core can hand only the last column, but from 0.18 it does so only under its process-wide
+InferenceMode, which nano_eval does not set; a decoder that took index 0 as "the last column" read the prompt's
+first position and generated wrong tokens, silently, on 0.18 / 0.19.)
+
+Nothing is taken on trust from the release: while decoding, every core attention must receive this call's queries
+against exactly the cache columns [0, end) and our mask, every output layer exactly the new columns of the
+microbatch, and after the call every local layer's keys and values must sit in the cache at [capacity, cache rows,
+...]. A release that moved any of this stops the generation with one line (`CacheContractError`) instead of
+decoding differently from the re-run path; a megatron-core minor release nano_eval's table does not know decodes
+by re-running the prompt (`unsupported_reason`).
+
 Exact where the core attention is megatron-core's local `DotProductAttention` (it applies the mask we pass).
 Other models keep the re-run path (`unsupported_reason` says why): Transformer Engine / flash attention cores
 (in megatron's static-inference path they apply a causal or no mask, ignoring the padding mask), sliding-window
@@ -38,7 +51,8 @@ from contextlib import ExitStack, contextmanager
 
 import torch
 
-from nano_eval.compat.megatron import unwrap
+from nano_eval.compat.megatron import inference_mode_active, static_inference_context, unwrap, version_string
+from nano_eval.errors import NanoEvalError
 
 _POSITIONS = ("rope", "learned_absolute", "none")
 _SEQUENCE_PARALLEL_ATTRS = ("sequence_parallel", "scatter_to_sequence_parallel", "reduce_scatter_embeddings")
@@ -50,7 +64,8 @@ def unsupported_reason(backend) -> str | None:
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     try:
-        from megatron.core.inference.contexts import StaticInferenceContext  # noqa: F401
+        if static_inference_context(1, 1) is None:
+            return f"megatron-core {version_string()} is not in nano_eval's release table"
     except ImportError:
         return "this megatron-core has no megatron.core.inference.contexts.StaticInferenceContext"
 
@@ -94,12 +109,13 @@ class StaticCache:
         self.context = None  # megatron-core StaticInferenceContext of the current batch
         self.rows = 0  # real rows; the cache also holds filler rows (copies of row 0) up to a multiple of groups
         self.pads: torch.Tensor | None = None  # [cache rows] int64: left-padding columns of each cache row
+        self.span = (0, 0)  # cache columns [start, end) of the call in flight
 
     def allocate(self, rows: int, columns: int) -> None:
-        from megatron.core.inference.contexts import StaticInferenceContext
-
-        self.context = StaticInferenceContext(max_batch_size=rows + (-rows % self.groups),
-                                              max_sequence_length=columns)
+        self.context = static_inference_context(rows + (-rows % self.groups), columns)
+        if self.context is None:
+            raise CacheContractError("its StaticInferenceContext keeps the last-column switch where nano_eval does "
+                                     "not look")
 
     def select_rows(self, index: torch.Tensor) -> None:
         index = self._filled(index.to(self.backend.device))
@@ -128,22 +144,65 @@ class StaticCache:
         keys = torch.arange(end, device=device)
         masked = (keys[None, None, :] > columns[None, :, None]) | (keys[None, None, :] < self.pads[:, None, None])
         rows = torch.arange(self.rows, device=device)
-        # the static context hands the output layer the last column only ([1, b, H]): pick (row r, column 0)
+        if inference_mode_active():
+            raise CacheContractError("its InferenceMode is on (an inference engine holds the model)",
+                                     "evaluate while megatron-core's inference engine is not running (InferenceMode "
+                                     "is process-wide)")
+        self.span = (start, end)
+        last = torch.full_like(rows, end - start - 1)  # the output layer gets every new column: each row's last
         with self._decoding():
-            logits = self.backend.run((new_ids, positions, masked[:, None]), rows, torch.zeros_like(rows), context)
+            logits = self.backend.run((new_ids, positions, masked[:, None]), rows, last, context)
+        self._check_cache_written(len(self.pads))
         context.sequence_len_offset = end
         return logits
 
     @contextmanager
     def _decoding(self):
-        """While inside: per-row RoPE positions, and sequence parallelism / fused RoPE off (restored after)."""
+        """While inside: per-row RoPE positions, sequence parallelism / fused RoPE off, and the contract checks on
+        every core attention and output layer (all restored after)."""
         with ExitStack() as stack:
             for model in self.models:
                 rotary = getattr(model, "rotary_pos_emb", None)
                 if model.position_embedding_type == "rope" and rotary is not None:
                     stack.callback(rotary.register_forward_hook(self._per_row_rotary).remove)
+                for layer in model.decoder.layers:
+                    core = layer.self_attention.core_attention
+                    stack.callback(core.register_forward_pre_hook(self._check_attention_inputs).remove)
+                output_layer = getattr(model, "output_layer", None)
+                if output_layer is not None:  # registered before the backend's own pre-hook: sees the model's input
+                    stack.callback(output_layer.register_forward_pre_hook(self._check_output_layer_input).remove)
                 stack.enter_context(_plain_attributes(model))
             yield
+
+    def _check_attention_inputs(self, module, args) -> None:
+        """Core attention pre-hook: queries [new, mb, heads/tp, d] against keys and values of exactly the cache
+        columns [0, end) of this microbatch's rows, and our mask [mb, 1, new, end]."""
+        query, key, value, mask = args[:4]
+        (start, end), mb = self.span, len(self.pads) // self.groups
+        got = (tuple(query.shape[:2]), key.shape[0], value.shape[0], tuple(key.shape[1:2]),
+               None if mask is None else tuple(mask.shape))
+        if got != ((end - start, mb), end, end, (mb,), (mb, 1, end - start, end)):
+            raise CacheContractError(f"its attention saw (query [new, rows], key / value columns, key rows, mask) = "
+                                     f"{got} for cache columns {start}..{end} of {mb} rows")
+
+    def _check_output_layer_input(self, module, args) -> None:
+        """Output-layer pre-hook: the hidden states of every new column of the microbatch, [new, mb, H]."""
+        (start, end), mb = self.span, len(self.pads) // self.groups
+        if tuple(args[0].shape[:2]) != (end - start, mb):
+            raise CacheContractError(f"its output layer got hidden states {tuple(args[0].shape)} for {end - start} "
+                                     f"new columns of {mb} rows")
+
+    def _check_cache_written(self, rows: int) -> None:
+        """After a call: every layer of this rank's chunks holds its keys and values in the context,
+        [capacity, cache rows, ...]."""
+        memory = self.context.key_value_memory_dict
+        layers = {layer.layer_number for model in self.models for layer in model.decoder.layers}
+        shapes = {n: tuple(t.shape[:2]) for n, kv in memory.items() for t in kv}
+        expected = (self.context.max_sequence_length, rows)
+        if set(memory) != layers or any(shape != expected for shape in shapes.values()):
+            raise CacheContractError(f"after a call its KV cache holds layers {sorted(memory)} shaped "
+                                     f"{sorted(set(shapes.values()))}, expected layers {sorted(layers)} shaped "
+                                     f"{expected}")
 
     def _per_row_rotary(self, module, args, emb: torch.Tensor) -> torch.Tensor:
         """RoPE table [capacity, 1, 1, dim] -> [capacity, mb, 1, dim] for the microbatch in flight (cache rows
@@ -152,6 +211,16 @@ class StaticCache:
         pads = self.pads[self.context.batch_size_offset:self.context.batch_size_offset + mb].to(emb.device)
         columns = torch.arange(emb.shape[0], device=emb.device)
         return emb[:, 0][(columns[:, None] - pads[None, :]).clamp(min=0)]
+
+
+class CacheContractError(NanoEvalError):
+    """megatron-core did not decode from its static KV cache the way nano_eval relies on (module docstring)."""
+
+    def __init__(self, what: str, fix: str = "report this message to nano_eval; meanwhile score generative tasks "
+                                              "with megatron-core 0.16.1 to 0.19.2 (tested)"):
+        super().__init__(f"greedy generation from megatron-core {version_string()}'s KV cache stopped: {what}, not "
+                         f"what nano_eval's decoder relies on, so its tokens could differ from the model's. Fix: "
+                         f"{fix}.")
 
 
 @contextmanager

@@ -15,13 +15,22 @@ from nano_eval.checkpoints.untrusted import CheckpointFileError
 from nano_eval.errors import NanoEvalError
 
 
-def load_shard(path: Path) -> dict:
+def load_shard(path: Path, *, offset: int = 0, length: int | None = None, where: str | Path | None = None,
+               wrapped_in_list: bool = False) -> dict:
     """One torch.save'd Megatron file (`model_optim_rng.pt`, `common.pt`) as read by nano_eval's own reader
     (checkpoints/torch_files.py + pickles.py: nothing in it is imported or run; enums, numpy RNG state and paths
-    stay opaque)."""
-    loaded = load_torch(path, MEGATRON)
+    stay opaque). offset / length / where: a torch.save archive inside a bigger file (megatron-core 0.19's
+    common state in a .distcp file, saved as a list holding the dict: `wrapped_in_list`)."""
+    where = where or path
+    loaded = load_torch(path, MEGATRON, offset=offset, length=length, where=where)
+    if wrapped_in_list:
+        if not (isinstance(loaded, list) and len(loaded) == 1):
+            raise CheckpointFileError(where, f"holds a {type(loaded).__name__}, not the one-element list "
+                                      "megatron-core saves its common state in", "point at a Megatron iter_XXXXXXX "
+                                      "folder")
+        loaded = loaded[0]
     if not isinstance(loaded, dict):
-        raise CheckpointFileError(path, f"holds a {type(loaded).__name__}, not the dict Megatron saves",
+        raise CheckpointFileError(where, f"holds a {type(loaded).__name__}, not the dict Megatron saves",
                                   "point at a Megatron iter_XXXXXXX folder")
     return loaded
 

@@ -20,7 +20,8 @@ one line naming the argument and the fix):
 - same name: normalization (LayerNorm / RMSNorm), qk_layernorm, qk_l2_norm, add_bias_linear, add_qkv_bias,
   rotary_interleaved, the attention options and every MoE router / expert option in SAME_NAME.
 Refused: what the local layer spec cannot build (MLA, hybrid / heterogeneous / experimental-attention models, a
-custom --spec, YAML configs, legacy models, yarn / mrope / relative positions, other norms, latent MoE) and what
+custom --spec, YAML configs, legacy models, yarn / mrope / relative positions, other norms, latent MoE; core 0.19's
+maximal-update parameterisation, block-interleaved GLU experts and forced router bias) and what
 Megatron-LM's builders disagree on (`rotary_seq_len_interpolation_factor`: its GPT builder ignores it, its
 GPTModelConfig applies it; `rope_scaling_factor` other than the 8.0 GPTModel always received).
 Missing arguments take Megatron-LM's defaults (DEFAULTS; the tests check them against upstream's arguments.py).
@@ -34,8 +35,9 @@ from dataclasses import dataclass, field
 
 from nano_eval.errors import NanoEvalError
 
-# Megatron-LM's defaults (core_v0.16.1's arguments.py and the TransformerConfig fields it turns into arguments) for
-# every argument read here; tests/test_megatron_args.py checks them against tests/megatron_lm_defaults.json
+# Megatron-LM's defaults (core_v0.16.1's and core_v0.19.0's arguments.py and the TransformerConfig fields they turn
+# into arguments) for every argument read here; tests/test_megatron_args.py checks them against
+# tests/megatron_lm_defaults.json
 DEFAULTS = {
     "kv_channels": None, "group_query_attention": False, "num_query_groups": 1,
     "untie_embeddings_and_output_weights": False, "normalization": "LayerNorm", "layernorm_epsilon": 1e-05,
@@ -47,6 +49,9 @@ DEFAULTS = {
     "num_experts": None, "moe_latent_size": None, "heterogeneous_layers_config_path": None,
     "use_legacy_models": False, "spec": None, "yaml_cfg": None, "hybrid_override_pattern": None,
     "is_hybrid_model": False, "mtp_num_layers": None,
+    # core 0.19 (the names do not exist before; a checkpoint of an older run lacks them and takes these)
+    "use_mup": False, "moe_mlp_glu_interleave_size": None, "moe_shared_expert_glu_interleave_size": None,
+    "moe_router_force_biased": None,
 }
 
 # TransformerConfig fields that are Megatron-LM arguments of the same name (copied when plain values)
@@ -124,6 +129,12 @@ def refuse_unsupported(args: Mapping) -> None:
     unless("position_embedding_type", lambda v: v in POSITIONS, f"only {', '.join(POSITIONS)} positions are built")
     unless("normalization", lambda v: v in NORMS, f"only {' and '.join(NORMS)} are built")
     unless("moe_latent_size", lambda v: v is None, "latent MoE projections are not built")
+    # core 0.19's
+    unless("use_mup", lambda v: not v, "maximal-update parameterisation scales embeddings, attention and logits, "
+           "which this loader does not build")
+    for name in ("moe_mlp_glu_interleave_size", "moe_shared_expert_glu_interleave_size"):
+        unless(name, lambda v: v is None, "block-interleaved GLU weights are not read")
+    unless("moe_router_force_biased", lambda v: v is None, "the run added random bias to its router logits")
     unless("rotary_seq_len_interpolation_factor", lambda v: v is None or (type(v) in (int, float) and v == 1),
            "Megatron-LM's gpt_builders.py never passes it to GPTModel while its GPTModelConfig (newer pretrain_gpt.py) "
            "does, and the checkpoint does not say which built the model",

@@ -2,7 +2,9 @@
 and nano_eval's own file reader.
 
 torch_dist is current Megatron-LM's default format: `iter_0001000/` holds `*.distcp` (tensor data), `.metadata`
-(torch.distributed.checkpoint's index), `common.pt` (args, iteration, the non-sharded state) and `metadata.json`.
+(torch.distributed.checkpoint's index), `metadata.json`, and the common state (args, iteration, the non-sharded
+state): `common.pt` up to megatron-core 0.18, from 0.19 a `common_state` entry inside the `.distcp` files (a
+torch.save'd [dict]; nano_eval.compat.megatron.Release.common_state). Both are read.
 Its tensors are global, not per rank: layers are stacked along a leading axis, swiglu's linear_fc1 is saved as two
 sharded halves, and the layer norms are named as Transformer Engine names them. Rather than re-implement that, we
 build a real GPTModel (local layer spec, CPU, TP1/PP1) from the checkpoint's own args and let
@@ -10,7 +12,9 @@ build a real GPTModel (local layer spec, CPU, TP1/PP1) from the checkpoint's own
 of an `mp_rank_00` legacy checkpoint, so megatron_legacy.py converts it the same way.
 
 Safety (the checkpoint is untrusted; see untrusted.py and pickles.py):
-- `.metadata` and `common.pt` are read by nano_eval's own unpickler; the index is then checked whole
+- `.metadata` and the common state (`common.pt`, or 0.19's `common_state` bytes, which
+  torch.distributed.checkpoint would unpickle itself) are read by nano_eval's own unpickler; the index is then
+  checked whole
   (`check_index`): every storage entry names a bare `.distcp` file of the folder with its byte range inside it,
   every tensor entry has plain sizes whose chunks fit their bytes.
 - The model's size is computed from the args and refused when larger than the files or the allocation limit,
@@ -18,6 +22,8 @@ Safety (the checkpoint is untrusted; see untrusted.py and pickles.py):
 - torch.distributed.checkpoint's own reader would `torch.load(..., weights_only=False)` any entry the index calls
   bytes, even where the model asks for a tensor. megatron-core is handed `CheckedReader` instead: it serves the
   validated index and reads only tensor chunks, each with nano_eval's torch.save reader; a bytes entry is refused.
+  megatron-core's load does not read (unpickle) the common state again
+  (nano_eval.compat.megatron.common_state_not_reread).
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from nano_eval.checkpoints.untrusted import CONFIG_BYTES, CheckpointFileError, F
 from nano_eval.errors import NanoEvalError
 
 COMMON = "common.pt"
+COMMON_STATE = "common_state/shard_0_1"  # megatron-core 0.19: ShardedObject("common_state", ..., (1,), (0,))
 INDEX = ".metadata"
 CONTENT_METADATA = "content_metadata"  # where dist_checkpointing.save(content_metadata=...) puts it in common.pt
 INDEX_BYTES = 1 << 30
@@ -182,25 +189,50 @@ def _checked_reader(folder: Folder, metadata, index_path: Path):
                             "0.16-0.19, or convert the checkpoint to the legacy format.")
     reader = _reader_class(folder, metadata, index_path)
     original = torch_strategy._get_filesystem_reader
-    torch_strategy._get_filesystem_reader = lambda checkpoint_dir, cache_metadata=False: reader(checkpoint_dir)
+    # (checkpoint_dir, cache_metadata=False), and from 0.17 async_strategy="mcore" too
+    torch_strategy._get_filesystem_reader = lambda checkpoint_dir, *args, **kwargs: reader(checkpoint_dir)
     try:
         yield
     finally:
         torch_strategy._get_filesystem_reader = original
 
 
-def read_common(iter_dir: Path, policy: FilePolicy = FilePolicy()) -> dict:
-    """`common.pt` (args, iteration, content metadata), read by nano_eval's own unpickler."""
+def read_common(iter_dir: Path, policy: FilePolicy = FilePolicy(), metadata=None) -> dict:
+    """The common state (args, iteration, content metadata) read by nano_eval's own unpickler: `common.pt`, or
+    megatron-core 0.19's `common_state` entry of the index (`metadata`: the checked index; read here if None)."""
     folder = Folder(iter_dir, policy)
-    if not folder.has(COMMON):
-        raise CheckpointFileError(iter_dir, f"has no {COMMON} (it holds the model arguments)", "finish copying the "
-                                  "checkpoint, or point at the iter_XXXXXXX folder itself")
-    common = load_shard(folder.file(COMMON))
+    if folder.has(COMMON):
+        common, where = load_shard(folder.file(COMMON)), folder.root / COMMON
+    else:
+        metadata = metadata if metadata is not None else _index_or_none(folder, policy)
+        common, where = _common_state(folder, metadata)
     content = common.get(CONTENT_METADATA)
     if content is not None and not (isinstance(content, dict) and all(
             isinstance(k, str) and (v is None or type(v) in (bool, int, float, str)) for k, v in content.items())):
-        raise CheckpointFileError(folder.root / COMMON, f"its {CONTENT_METADATA} is not a dict of plain values")
+        raise CheckpointFileError(where, f"its {CONTENT_METADATA} is not a dict of plain values")
     return common
+
+
+def _index_or_none(folder: Folder, policy: FilePolicy):
+    return read_metadata_safely(folder.root, policy) if folder.has(INDEX) else None
+
+
+def _common_state(folder: Folder, metadata) -> tuple[dict, Path]:
+    """megatron-core 0.19's common state: the bytes of the index's COMMON_STATE entry (a torch.save'd list holding
+    one dict), read with nano_eval's torch.save reader; (the dict, where it was)."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    if metadata is None or type(metadata.state_dict_metadata.get(COMMON_STATE)) is not BytesStorageMetadata:
+        raise CheckpointFileError(folder.root, f"has no {COMMON} and its index has no {COMMON_STATE} entry (they "
+                                  "hold the model arguments)", "finish copying the checkpoint, or point at the "
+                                  "iter_XXXXXXX folder itself")
+    info = metadata.storage_data.get(MetadataIndex(COMMON_STATE))
+    if info is None:
+        raise CheckpointFileError(folder.root / INDEX, f"its {COMMON_STATE} entry has no storage entry")
+    where = folder.root / info.relative_path
+    loaded = load_shard(folder.file(info.relative_path), offset=info.offset, length=info.length,
+                        where=f"{where} (bytes {info.offset}+{info.length}, {COMMON_STATE})", wrapped_in_list=True)
+    return loaded, where
 
 
 @contextlib.contextmanager
@@ -259,11 +291,13 @@ class DistCheckpoint:
 
 def open_dist_checkpoint(iter_dir: str | Path, policy: FilePolicy = FilePolicy(),
                          overrides: Mapping | None = None) -> DistCheckpoint:
-    """Read common.pt and .metadata with nano_eval's readers and check the index and metadata.json (nothing is
-    built or allocated for the model yet)."""
+    """Read the common state and .metadata with nano_eval's readers and check the index and metadata.json (nothing
+    is built or allocated for the model yet)."""
     folder = Folder(iter_dir, policy).check()
-    common = read_common(folder.root, policy)
-    metadata = read_metadata_safely(folder.root, policy)
+    metadata = _index_or_none(folder, policy)
+    common = read_common(folder.root, policy, metadata)
+    if metadata is None:
+        metadata = read_metadata_safely(folder.root, policy)  # "has *.distcp files but no .metadata"
     args = {**args_dict(common.get("args")), **dict(overrides or {})}
     data_files = {info.relative_path for info in metadata.storage_data.values()}
     if folder.has("metadata.json"):
@@ -282,12 +316,14 @@ def load_sharded(model, ckpt: DistCheckpoint, fix: str) -> dict:
     from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint.api import CheckpointException
 
+    from nano_eval.compat.megatron import common_state_not_reread
+
     index = ckpt.folder.root / INDEX
     sharded = _model_only(model.sharded_state_dict(metadata=ckpt.common.get(CONTENT_METADATA)))
     _check_requested(sharded, ckpt.metadata, index)
-    with _checked_reader(ckpt.folder, ckpt.metadata, index):
+    with _checked_reader(ckpt.folder, ckpt.metadata, index), common_state_not_reread() as how:
         try:
-            loaded = dist_checkpointing.load(sharded, str(ckpt.folder.root), common_strategy=_AlreadyReadCommon())
+            loaded = dist_checkpointing.load(sharded, str(ckpt.folder.root), **how)
         except CheckpointFileError:
             raise
         except (Exception, CheckpointException) as e:  # torch's CheckpointException is a BaseException
@@ -313,17 +349,6 @@ def read_dist_checkpoint(iter_dir: str | Path, overrides: Mapping | None = None,
         loaded = load_sharded(model, ckpt, "check that it is a Llama-style GPT checkpoint; pass megatron_args=... "
                                            "if its args are wrong.")
     return loaded, args
-
-
-def _AlreadyReadCommon():  # noqa: N802 -- stands for a class megatron-core defines
-    """megatron-core's common-state strategy that does not torch.load common.pt again (read_common read it)."""
-    from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
-
-    class AlreadyRead(TorchCommonLoadStrategy):
-        def load_common(self, checkpoint_dir):
-            return {}
-
-    return AlreadyRead()
 
 
 def _check_requested(sharded: dict, metadata, index_path: Path) -> None:

@@ -6,7 +6,7 @@ builds allow-listed classes, runs BUILD on enum members and trusts the sizes a f
 
 - **Nothing is imported by name.** `find_class` answers from a table (`Allowed.real`): nano_eval's own inert types,
   torch.Size / dtypes / layouts, set / frozenset / slice / OrderedDict and (for `.metadata` only) the
-  torch.distributed.checkpoint metadata dataclasses. Names a genuine checkpoint carries but nano_eval never uses
+  torch.distributed.checkpoint metadata and save-plan dataclasses. Names a genuine checkpoint carries but nano_eval never uses
   (numpy RNG arrays, Megatron's enums, paths, signals) become `Opaque` records: a name, nothing imported or called.
   Every other name is refused.
 - **BUILD only fills fresh objects of listed types** (argument namespaces, the metadata dataclasses, by their own
@@ -189,18 +189,24 @@ MEGATRON = Allowed(
 
 def dcp_index() -> Allowed:
     """A torch_dist `.metadata`: torch.distributed.checkpoint's index dataclasses and plain values."""
-    from torch.distributed.checkpoint import filesystem, metadata as m
+    from torch.distributed.checkpoint import filesystem, metadata as m, planner
 
     classes = (m.Metadata, m.TensorStorageMetadata, m.BytesStorageMetadata, m.ChunkStorageMetadata,
-               m.TensorProperties, m.MetadataIndex, m.StorageMeta, filesystem._StorageInfo)
+               m.TensorProperties, m.MetadataIndex, m.StorageMeta, filesystem._StorageInfo,
+               # megatron-core's own file writer (Megatron-LM's default save) also keeps every rank's save plan in
+               # the index (`Metadata.all_local_plans`): plain dataclasses, never used by nano_eval
+               planner.SavePlan, planner.WriteItem, planner.TensorWriteData)
     real = {(c.__module__, c.__qualname__): c for c in classes}
     real |= {(m.__name__, "_MEM_FORMAT_ENCODING"): m._MEM_FORMAT_ENCODING,  # enum: calling it looks a member up
+             (planner.__name__, "WriteItemType"): planner.WriteItemType,  # enum, likewise
              ("torch.serialization", "_get_layout"): _layout, ("pathlib", "PosixPath"): _plain_path,
              ("pathlib", "PurePosixPath"): _plain_path}
     real |= {k: v for k, v in _TENSOR_NAMES.items() if not isinstance(v, StorageType) and v is not _tensor_view
              and v is not _parameter}
-    # megatron-core versions that reformulate N-D tensors record it on the Metadata as `mcore_data` (a plain dict)
-    return Allowed(real=real, buildable=classes + (OrderedDict,), extra_fields={m.Metadata: {"mcore_data"}})
+    # megatron-core versions that reformulate N-D tensors record it on the Metadata as `mcore_data` (a plain dict);
+    # its file writer adds `all_local_plans` (the save plans above)
+    return Allowed(real=real, buildable=classes + (OrderedDict,),
+                   extra_fields={m.Metadata: {"mcore_data", "all_local_plans"}})
 
 
 def _layout(name):

@@ -26,7 +26,9 @@ The route, and why:
   `curr_iteration + 1` (never below `args.iteration`, the iteration the run resumed from); with `--skip-train` it
   is `args.iteration`. Consumed tokens are `consumed_train_samples x seq_length` (already counted for this
   iteration when evaluate() runs), else `step x global_batch_size x seq_length`. Args come from
-  `megatron.training.get_args()`, or from `get_args=` / `get_iteration=` where Megatron-LM is not importable.
+  `megatron.training.get_args()`, or from `get_args=` / `get_iteration=` outside Megatron-LM's pretrain (where
+  megatron.training is not importable, or, as the megatron-core 0.17+ wheel ships it, importable with no args set:
+  nano_eval.compat.megatron.megatron_lm_args).
 - One evaluation per iteration: after training Megatron calls evaluate() for the validation set and then the test
   set (and once per validation set with --multiple-validation-sets), each calling non_loss_data_func at the same
   iteration; later calls at an iteration already evaluated return its results without scoring or writing again.
@@ -47,21 +49,12 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from nano_eval.compat.megatron import unwrap
+from nano_eval.compat.megatron import megatron_lm_args, unwrap
 from nano_eval.tasks import load_tasks
 from nano_eval.tracking.wandb_logger import one_line
 from nano_eval.training.config import EvalHookConfig
 from nano_eval.training.hook import EvalHook, HookResults
 from nano_eval.local_files import printable
-
-
-def _megatron_args():
-    """Megatron-LM's global args, or None where Megatron-LM (megatron.training) is not installed."""
-    try:
-        from megatron.training import get_args
-    except ImportError:
-        return None
-    return get_args()
 
 
 def trained_iteration(args) -> int:
@@ -96,7 +89,7 @@ class MegatronEvalHook:
         Results are published from the last global rank (Megatron's W&B writer): config.publish_rank is replaced."""
         self.config = dataclasses.replace(config, wandb_log_step=True)
         self.tokenizer, self.max_length = tokenizer, max_length
-        self.get_args, self.get_iteration = get_args or _megatron_args, get_iteration
+        self.get_args, self.get_iteration = get_args or megatron_lm_args, get_iteration
         self.tokens_per_iteration = tokens_per_iteration
         self.micro_batch_size, self.pg_collection = micro_batch_size, pg_collection
         self.hook: EvalHook | None = None
@@ -153,7 +146,8 @@ class MegatronEvalHook:
             return step, step * self.tokens_per_iteration if self.tokens_per_iteration else None
         args = self.get_args()
         if args is None:
-            raise RuntimeError("megatron.training is not importable, so the iteration is unknown. "
+            raise RuntimeError("Megatron-LM's args are not there (megatron.training is not importable, or "
+                               "its get_args() was never initialised), so the iteration is unknown. "
                                "Fix: pass get_args=... (Megatron's args) or get_iteration=... to "
                                "make_non_loss_data_func.")
         step = trained_iteration(args)
