@@ -217,6 +217,74 @@ def test_hook_in_torchtitan_trainer_slow(name, assets, tmp_path):
     run_layout(name, SLOW_LAYOUTS[name], assets, tmp_path)
 
 
+# name: (ranks, the backend's `unshard`, torchtitan arguments)
+DECODE_LAYOUTS = {
+    "fsdp2": (2, "auto", []),
+    "fsdp2_sharded": (2, "false", []),  # FSDP2 all-gathers in every forward: lockstep
+    "tp2": (2, "auto", ["--parallelism.tensor_parallel_degree", "2"]),  # sequence parallel (torchtitan's default)
+    "pp2": (2, "auto", ["--parallelism.pipeline_parallel_degree", "2"]),
+}
+SLOW_DECODE_LAYOUTS = {
+    "tp2_no_sp": (2, "auto", ["--parallelism.tensor_parallel_degree", "2",
+                              "--parallelism.no-enable-sequence-parallel"]),
+    "tp2_pp2": (4, "auto", ["--parallelism.tensor_parallel_degree", "2", "--parallelism.pipeline_parallel_degree", "2"]),
+    "cp2": (2, "auto", ["--parallelism.context_parallel_degree", "2", "--training.seq_len", "256"]),
+}
+
+
+def decode(assets: Path, out: Path, nproc: int, unshard: str, args: list[str]) -> list[dict]:
+    """tests/torchtitan_decode_worker.py in one layout: every rank's result."""
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={_port()}",
+               str(ROOT / "tests" / "torchtitan_launch.py"), str(ROOT / "tests" / "torchtitan_decode_worker.py"),
+               str(out / "results"), unshard, "--module", "tests.torchtitan_configs", "--config", "tiny_llama",
+               "--dataloader.dataset_path", str(assets / "data"), "--hf_assets_path", str(assets / "tokenizer"),
+               "--dump_folder", str(out / "dump"), *args]
+    done = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
+    return [json.loads((out / "results" / f"rank{r}.json").read_text()) for r in range(nproc)]
+
+
+def check_decoding(name: str, ranks: list[dict]) -> None:
+    from tests.generation_checks import check_cost
+
+    for gen in ranks:
+        assert gen["decoder"], name
+        assert gen["cached"] == gen["rerun"] and gen["cached_stop"] == gen["rerun_stop"], name
+        assert not gen["divergences"] and not gen["divergences_stop"], name
+        shared = gen["shared"]
+        assert shared["cached"] == shared["rerun"], name
+        # prompts with a common prefix: prefilled once, then each prompt's own suffix (never under lockstep, whose
+        # forwards must have the same shapes on every data-parallel rank)
+        assert shared["shared_prefix"] == 0 if gen["lockstep"] else shared["shared_prefix"] >= 8, (name, shared)
+    lengths = {len(tokens) for g in ranks for tokens, _, _ in g["cached_stop"].values()}
+    assert len(lengths) > 1, (name, lengths)  # rows finished at different steps
+    cached, rerun = check_cost(ranks)
+    print(f"{name}: generations equal; tokens through the embedding {cached} (cache) vs {rerun} (re-run)")
+
+
+@pytest.mark.parametrize("name", list(DECODE_LAYOUTS))
+def test_kv_cache_generations_equal_the_rerun_path(name, assets, tmp_path):
+    """Greedy generation through nano_eval's torchtitan KV cache (nano_eval.backends.torchtitan_cache: torchtitan's
+    own modules, its attention kernel swapped for the cache's) equals the re-run path token for token on a model
+    built by torchtitan's real Trainer in each layout (fp32): rows of different prompt lengths (left padding), rows
+    finishing at different steps (a stop sequence), prompts sharing a prefix prefilled once (padding in the middle
+    of the rows); each prompt goes through the embedding once, the re-run path's prompt x answer tokens.
+    Before: the torchtitan backend had no decoder and re-ran the prompt for every new token."""
+    require_torchtitan()
+    nproc, unshard, args = DECODE_LAYOUTS[name]
+    ranks = decode(assets, tmp_path, nproc, unshard, args)
+    assert ranks[0]["lockstep"] == (name == "fsdp2_sharded")
+    check_decoding(name, ranks)
+
+
+@pytest.mark.parametrize("name", list(SLOW_DECODE_LAYOUTS))
+def test_kv_cache_generations_equal_the_rerun_path_slow(name, assets, tmp_path):
+    if not SLOW:
+        pytest.skip("NANO_EVAL_TORCHTITAN_SLOW=1 runs these layouts")
+    nproc, unshard, args = SLOW_DECODE_LAYOUTS[name]
+    check_decoding(name, decode(assets, tmp_path, nproc, unshard, args))
+
+
 def test_the_batches_are_uneven(assets):
     """The evaluation above gives the two data-parallel ranks different numbers of demo|arithmetic forwards (the
     situation in which FSDP2's per-forward all-gathers hang without lockstep)."""
