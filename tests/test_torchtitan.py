@@ -3,7 +3,7 @@ checkpointer, data loader) on CPU/gloo, through hooks/torchtitan_eval.py under t
 installs the CPU test double tests/torchtitan_cpu.py first; tests/torchtitan_configs.py is a tiny Llama3 config).
 
 For each layout (fsdp2 = dp_shard 2, tp2 with sequence parallelism, pp2, fsdp2 with `unshard: false`; slow: hsdp
-2x2 on 4 ranks, fsdp2 x tp2, cp2 folded into data parallelism):
+2x2 on 4 ranks, fsdp2 x tp2, tp2 x pp2, cp2 folded into data parallelism):
 - the run trains 4 steps, evaluates at steps 2 and 4 (the interval; the step-2 / step-4 checkpoints are saved there
   too: evaluated once per step) with consumed tokens = steps x global batch x sequence length;
 - losses and gradient norms are bitwise equal to the same run without the hook;
@@ -49,6 +49,7 @@ LAYOUTS = {
 SLOW_LAYOUTS = {
     "hsdp": (4, 4, ["--parallelism.data_parallel_replicate_degree", "2"], {}),
     "fsdp2_tp2": (4, 2, ["--parallelism.tensor_parallel_degree", "2"], {}),
+    "tp2_pp2": (4, 1, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.pipeline_parallel_degree", "2"], {}),
     # torchtitan's CP with flex attention wants the sequence divisible by cp x 128
     "cp2": (2, 1, ["--parallelism.context_parallel_degree", "2", "--training.seq_len", "256"], {}),
 }
