@@ -39,12 +39,17 @@ TASKS = "demo|arithmetic|0,demo|arithmetic_ppl|0,demo|arithmetic_gen|0"
 STEPS, LOCAL_BATCH_ROWS, SEQ = 4, 2, 64
 DOCS, BATCH_TOKENS = 5, 24
 LOGGERS = ["--metrics.enable_wandb", "--metrics.enable_tensorboard"]  # torchtitan's own (W&B offline in the tests)
-# name: (ranks, training batch degree (dp_replicate x dp_shard), torchtitan arguments, nano_eval options)
+# name: (ranks, training batch degree (dp_replicate x dp_shard), torchtitan arguments, nano_eval options[, the model's
+# config in tests/torchtitan_configs.py: tiny_llama if not given])
+MOE = ["--parallelism.expert_parallel_degree", "2", "--debug.moe_force_load_balance"]
 LAYOUTS = {
     "fsdp2": (2, 2, [], {}),
     "tp2": (2, 1, ["--parallelism.tensor_parallel_degree", "2"], {}),
     "pp2": (2, 1, ["--parallelism.pipeline_parallel_degree", "2", *LOGGERS], {}),
     "fsdp2_sharded": (2, 2, [], {"unshard": False}),
+    # expert parallelism (all-to-all token dispatch over the two data-parallel ranks: lockstep), trained with
+    # round-robin routing (torchtitan's debug option), scored with learned routing as the checkpoint is
+    "ep2_qwen3_moe": (2, 2, MOE, {}, "tiny_qwen3_moe"),
 }
 SLOW_LAYOUTS = {
     "hsdp": (4, 4, ["--parallelism.data_parallel_replicate_degree", "2"], {}),
@@ -52,6 +57,7 @@ SLOW_LAYOUTS = {
     "tp2_pp2": (4, 1, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.pipeline_parallel_degree", "2"], {}),
     # torchtitan's CP with flex attention wants the sequence divisible by cp x 128
     "cp2": (2, 1, ["--parallelism.context_parallel_degree", "2", "--training.seq_len", "256"], {}),
+    "ep2_deepseek_v3": (2, 2, MOE, {}, "tiny_deepseek_v3"),
 }
 
 
@@ -94,13 +100,14 @@ def _env(extra: dict | None = None) -> dict:
     return env
 
 
-def train(assets: Path, out: Path, nproc: int, args: list[str], evaluation: dict | None, timeout: int = 900) -> Path:
-    """One torchtitan run of STEPS steps (checkpoints at steps 2 and 4), with the hook when `evaluation` is given;
-    every rank's losses in out/losses.rank<R>.jsonl."""
+def train(assets: Path, out: Path, nproc: int, args: list[str], evaluation: dict | None, timeout: int = 900,
+          config: str = "tiny_llama") -> Path:
+    """One torchtitan run of STEPS steps (checkpoints at steps 2 and 4) of tests/torchtitan_configs.py's `config`,
+    with the hook when `evaluation` is given; every rank's losses in out/losses.rank<R>.jsonl."""
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
                f"--master_port={_port()}", str(ROOT / "tests" / "torchtitan_launch.py"),
                str(ROOT / "hooks" / "torchtitan_eval.py"), "--module", "tests.torchtitan_configs",
-               "--config", "tiny_llama", "--dataloader.dataset_path", str(assets / "data"),
+               "--config", config, "--dataloader.dataset_path", str(assets / "data"),
                "--hf_assets_path", str(assets / "tokenizer"), "--dump_folder", str(out), *args]
     if evaluation is not None:
         options = {"tasks": TASKS, "interval": 2, "max_samples": DOCS, "batch_tokens": BATCH_TOKENS, "write_details": True,
@@ -127,11 +134,11 @@ def losses(out: Path) -> dict[int, list]:
     return found
 
 
-def score_checkpoint(assets: Path, checkpoint: Path, out: Path) -> Path:
+def score_checkpoint(assets: Path, checkpoint: Path, out: Path, config: str = "tiny_llama") -> Path:
     """run.py on a torchtitan checkpoint folder, one process (the CPU double installed by the launcher)."""
     command = [sys.executable, str(ROOT / "tests" / "torchtitan_launch.py"), str(ROOT / "nano_eval" / "run.py"),
                "--checkpoint", str(checkpoint), "--tokenizer", str(assets / "tokenizer"),
-               "--torchtitan-config", "tests.torchtitan_configs:tiny_llama", "--tasks", TASKS, "--max-samples", str(DOCS),
+               "--torchtitan-config", f"tests.torchtitan_configs:{config}", "--tasks", TASKS, "--max-samples", str(DOCS),
                "--output-dir", str(out)]
     done = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
@@ -167,9 +174,10 @@ def assert_same_scores(live: Path, checkpoint: Path, tolerance: float = 1e-5) ->
 
 
 def run_layout(name: str, spec, assets: Path, root: Path) -> None:
-    nproc, dp, args, evaluation = spec
-    live = train(assets, root / f"{name}_hook", nproc, args, evaluation)
-    plain = train(assets, root / f"{name}_plain", nproc, args, None)
+    nproc, dp, args, evaluation, *model = spec
+    config = model[0] if model else "tiny_llama"
+    live = train(assets, root / f"{name}_hook", nproc, args, evaluation, config=config)
+    plain = train(assets, root / f"{name}_plain", nproc, args, None, config=config)
     with_hook, without = losses(live), losses(plain)
     assert with_hook and with_hook == without, (with_hook, without)
     assert [step for step, *_ in next(iter(with_hook.values()))] == list(range(1, STEPS + 1))
@@ -179,10 +187,10 @@ def run_layout(name: str, spec, assets: Path, root: Path) -> None:
     assert all("failed" not in r for r in rows), rows
     model_file = json.loads((live / "checkpoint" / "step-4" / "nano_eval_torchtitan.json").read_text())
     assert (model_file["module"], model_file["config"], model_file["step"]) == ("tests.torchtitan_configs",
-                                                                                "tiny_llama", 4)
+                                                                                config, 4)
     if LOGGERS[0] in args:
         check_loggers(live, rows)
-    checkpoint = score_checkpoint(assets, live / "checkpoint" / "step-4", root / f"{name}_ckpt")
+    checkpoint = score_checkpoint(assets, live / "checkpoint" / "step-4", root / f"{name}_ckpt", config)
     worst = assert_same_scores(live / "nano_eval" / "step_4", checkpoint)
     print(f"{name}: losses bitwise equal over {STEPS} steps; live step-4 vs checkpoint: max |logprob diff| {worst:.1e}")
 
@@ -218,26 +226,29 @@ def test_hook_in_torchtitan_trainer_slow(name, assets, tmp_path):
     run_layout(name, SLOW_LAYOUTS[name], assets, tmp_path)
 
 
-# name: (ranks, the backend's `unshard`, torchtitan arguments)
+# name: (ranks, the backend's `unshard`, torchtitan arguments[, config])
 DECODE_LAYOUTS = {
     "fsdp2": (2, "auto", []),
     "fsdp2_sharded": (2, "false", []),  # FSDP2 all-gathers in every forward: lockstep
     "tp2": (2, "auto", ["--parallelism.tensor_parallel_degree", "2"]),  # sequence parallel (torchtitan's default)
     "pp2": (2, "auto", ["--parallelism.pipeline_parallel_degree", "2"]),
+    # multi-latent attention (the cache holds the keys / values its module hands the kernel) and MoE under EP
+    "ep2_deepseek_v3": (2, "auto", MOE, "tiny_deepseek_v3"),
 }
 SLOW_DECODE_LAYOUTS = {
     "tp2_no_sp": (2, "auto", ["--parallelism.tensor_parallel_degree", "2",
                               "--parallelism.no-enable-sequence-parallel"]),
     "tp2_pp2": (4, "auto", ["--parallelism.tensor_parallel_degree", "2", "--parallelism.pipeline_parallel_degree", "2"]),
     "cp2": (2, "auto", ["--parallelism.context_parallel_degree", "2", "--training.seq_len", "256"]),
+    "ep2_qwen3_moe": (2, "auto", MOE, "tiny_qwen3_moe"),
 }
 
 
-def decode(assets: Path, out: Path, nproc: int, unshard: str, args: list[str]) -> list[dict]:
+def decode(assets: Path, out: Path, nproc: int, unshard: str, args: list[str], config: str = "tiny_llama") -> list[dict]:
     """tests/torchtitan_decode_worker.py in one layout: every rank's result."""
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={_port()}",
                str(ROOT / "tests" / "torchtitan_launch.py"), str(ROOT / "tests" / "torchtitan_decode_worker.py"),
-               str(out / "results"), unshard, "--module", "tests.torchtitan_configs", "--config", "tiny_llama",
+               str(out / "results"), unshard, "--module", "tests.torchtitan_configs", "--config", config,
                "--dataloader.dataset_path", str(assets / "data"), "--hf_assets_path", str(assets / "tokenizer"),
                "--dump_folder", str(out / "dump"), *args]
     done = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
@@ -272,9 +283,9 @@ def test_kv_cache_generations_equal_the_rerun_path(name, assets, tmp_path):
     of the rows); each prompt goes through the embedding once, the re-run path's prompt x answer tokens.
     Before: the torchtitan backend had no decoder and re-ran the prompt for every new token."""
     require_torchtitan()
-    nproc, unshard, args = DECODE_LAYOUTS[name]
-    ranks = decode(assets, tmp_path, nproc, unshard, args)
-    assert ranks[0]["lockstep"] == (name == "fsdp2_sharded")
+    nproc, unshard, args, *config = DECODE_LAYOUTS[name]
+    ranks = decode(assets, tmp_path, nproc, unshard, args, *config)
+    assert ranks[0]["lockstep"] == (name in ("fsdp2_sharded", "ep2_deepseek_v3"))  # FSDP2 / EP collectives in forwards
     check_decoding(name, ranks)
 
 
@@ -282,8 +293,8 @@ def test_kv_cache_generations_equal_the_rerun_path(name, assets, tmp_path):
 def test_kv_cache_generations_equal_the_rerun_path_slow(name, assets, tmp_path):
     if not SLOW:
         pytest.skip("NANO_EVAL_TORCHTITAN_SLOW=1 runs these layouts")
-    nproc, unshard, args = SLOW_DECODE_LAYOUTS[name]
-    check_decoding(name, decode(assets, tmp_path, nproc, unshard, args))
+    nproc, unshard, args, *config = SLOW_DECODE_LAYOUTS[name]
+    check_decoding(name, decode(assets, tmp_path, nproc, unshard, args, *config))
 
 
 def test_the_batches_are_uneven(assets):

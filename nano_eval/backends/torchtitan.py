@@ -23,9 +23,11 @@ called as `part(tokens or hidden [B, S(, H)], positions=[B, S], attention_masks=
   replica holds the same batch, so shapes are known on both sides). Logits come out of the last stage.
 - CP: folded into DP. Each CP rank scores whole rows; FlexAttention's key / value all-gather over the CP mesh is off
   while scoring (nano_eval.compat.torchtitan.local_context_parallel).
-- MoE: torchtitan routes every token to its top-k experts in eval mode (dropless) and counts expert load only in
-  training mode, so scoring leaves the load-balancing state alone; HybridEP's capacity-factor dispatch is refused.
-  Under expert parallelism the MoE all-to-all spans data-parallel ranks: lockstep. (Not run on CPU here.)
+- MoE: torchtitan routes every token to its top-k experts (dropless) and counts expert load only in training mode,
+  so scoring (in eval mode) leaves the load-balancing state alone; routers route by their scores while scoring
+  (`--debug.moe_force_load_balance`'s round-robin routing, which depends on a token's index in its batch, is off
+  and put back after: nano_eval.compat.torchtitan.learned_routing); HybridEP's capacity-factor dispatch is
+  refused. Under expert parallelism the MoE all-to-all spans data-parallel ranks: lockstep.
 - Greedy generation decodes from nano_eval's KV cache over the model's own modules, in the same layout
   (nano_eval.backends.torchtitan_cache: each prompt once, then one token per row per step); a model whose attention
   it cannot serve exactly (sliding windows, sinks, linear attention, multi-token prediction) re-runs the prompt for
@@ -35,6 +37,7 @@ called as `part(tokens or hidden [B, S(, H)], positions=[B, S], attention_masks=
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 import torch.distributed as dist
@@ -72,6 +75,8 @@ class TorchtitanModel:
         first = next(p for part in self.parts for p in part.parameters())
         self.device = torch.device(device) if device is not None else tt.local(first).device
         self.layout = tt.layout_of(parallel_dims, "cuda" if self.device.type == "cuda" else "cpu")
+        if tt.has_moe(self.parts):  # token-choice top-k routing, never a capacity (HybridEP's is refused above)
+            self.layout = dataclasses.replace(self.layout, moe_routing="dropless")
         tt.note_untested_version(self.layout.is_main)
         self.stages = tt.stages_of(schedule, self.parts)
         config = getattr(self.parts[0], "config", None)
@@ -156,7 +161,8 @@ class TorchtitanModel:
         positions = positions.contiguous()
         masks = tt.attention_masks(self.stages[0].module, positions) if masks else None
         tokens, positions = tt.spmd_inputs(self.parallel_dims, tokens, positions)
-        with tt.local_context_parallel(self.parallel_dims), tt.spmd_context(self.parallel_dims):
+        with tt.local_context_parallel(self.parallel_dims), tt.learned_routing(self.parts), \
+                tt.spmd_context(self.parallel_dims):
             return self._through_stages(tokens, positions, masks, rows, cols)
 
     def _through_stages(self, tokens, positions, masks, rows, cols) -> torch.Tensor | None:

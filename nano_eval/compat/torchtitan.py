@@ -13,6 +13,8 @@ on torch 2.13, SPMD backend `partial_dtensor`).
   and values over the CP mesh through `flex_cp_allgather`, looked up at every call) off while scoring.
 - `spmd_inputs`: the SPMD context and input annotation torchtitan's Trainer applies under `spmd_types` (not testable
   on torch 2.13: that backend needs a newer torch).
+- `learned_routing`: MoE routers route by their scores while scoring (the debug option that forces round-robin
+  routing switched off, put back after).
 - `cache_unsupported` / `inner_attention_replaced`: where the KV cache (nano_eval.backends.torchtitan_cache) plugs
   into torchtitan's attention: each layer's `attention.inner_attention` (the kernel called with rotated q, k, v),
   swapped for the cache's while decoding.
@@ -242,6 +244,28 @@ def token_dropping(parts: list) -> str | None:
             if getattr(module, "non_blocking_capacity_factor", None) is not None:
                 return f"{name} ({type(module).__name__}) has non_blocking_capacity_factor set"
     return None
+
+
+def has_moe(parts: list) -> bool:
+    """Whether any model part holds a torchtitan MoE layer."""
+    from torchtitan.models.common.moe import MoE
+
+    return any(isinstance(m, MoE) for part in parts for m in part.modules())
+
+
+@contextlib.contextmanager
+def learned_routing(parts: list):
+    """While inside: every MoE router routes by its scores. torchtitan's `--debug.moe_force_load_balance` makes
+    routers assign experts round-robin by a token's index in its batch (`_debug_force_load_balance`), so a row's
+    scores would depend on the rows before it; it is switched off and put back on exit."""
+    forced = [m for part in parts for m in part.modules() if getattr(m, "_debug_force_load_balance", False) is True]
+    try:
+        for router in forced:
+            router._debug_force_load_balance = False
+        yield
+    finally:
+        for router in forced:
+            router._debug_force_load_balance = True
 
 
 def attention_masks(part, positions: torch.Tensor):
