@@ -9,7 +9,8 @@ For each layout (fsdp2 = dp_shard 2, tp2 with sequence parallelism, pp2, fsdp2 w
 - losses and gradient norms are bitwise equal to the same run without the hook;
 - the live step-4 scores equal `run.py --checkpoint <dump>/checkpoint/step-4` (torchtitan's model class in one
   process, the DCP read through nano_eval's checked reader): every per-request log-prob within 1e-5, accuracies and
-  generations identical;
+  generations identical; for fsdp2, `nano_eval sweep <dump>` instead, which finds step-2 and step-4 and scores
+  each as the live model was scored at that step, with the same step and consumed tokens;
 - 5 documents per task in 24-token batches give the data-parallel ranks different numbers of forwards (3 and 2 for
   demo|arithmetic: `test_the_batches_are_uneven`): with the FSDP2 parameters gathered once per evaluation (default)
   or sharded (`unshard: false`: lockstep), nothing hangs. (Sharded without lockstep, the run stops at gloo's
@@ -42,6 +43,7 @@ LOGGERS = ["--metrics.enable_wandb", "--metrics.enable_tensorboard"]  # torchtit
 # name: (ranks, training batch degree (dp_replicate x dp_shard), torchtitan arguments, nano_eval options[, the model's
 # config in tests/torchtitan_configs.py: tiny_llama if not given])
 MOE = ["--parallelism.expert_parallel_degree", "2", "--debug.moe_force_load_balance"]
+SWEPT = "fsdp2"  # its checkpoints are scored by `nano_eval sweep` on the run's dump folder (the others': run.py)
 LAYOUTS = {
     "fsdp2": (2, 2, [], {}),
     "tp2": (2, 1, ["--parallelism.tensor_parallel_degree", "2"], {}),
@@ -145,6 +147,16 @@ def score_checkpoint(assets: Path, checkpoint: Path, out: Path, config: str = "t
     return out
 
 
+def sweep(assets: Path, run: Path, out: Path, config: str = "tiny_llama") -> Path:
+    """`nano_eval sweep RUN` on a torchtitan dump folder (its checkpoint/step-N/ folders), one process."""
+    command = [sys.executable, str(ROOT / "tests" / "torchtitan_launch.py"), str(ROOT / "nano_eval" / "run.py"), "sweep",
+               str(run), "--tokenizer", str(assets / "tokenizer"), "--torchtitan-config",
+               f"tests.torchtitan_configs:{config}", "--tasks", TASKS, "--max-samples", str(DOCS), "--output-dir", str(out)]
+    done = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    return out
+
+
 def details(folder: Path) -> dict[str, list[dict]]:
     return {p.name: [json.loads(line) for line in p.read_text().splitlines()]
             for p in sorted((folder / "details").glob("*.jsonl"))}
@@ -190,9 +202,16 @@ def run_layout(name: str, spec, assets: Path, root: Path) -> None:
                                                                                 config, 4)
     if LOGGERS[0] in args:
         check_loggers(live, rows)
-    checkpoint = score_checkpoint(assets, live / "checkpoint" / "step-4", root / f"{name}_ckpt", config)
-    worst = assert_same_scores(live / "nano_eval" / "step_4", checkpoint)
-    print(f"{name}: losses bitwise equal over {STEPS} steps; live step-4 vs checkpoint: max |logprob diff| {worst:.1e}")
+    if name == SWEPT:  # the run's dump folder swept: every saved step scored as the live model was at that step
+        swept = sweep(assets, live, root / f"{name}_sweep", config)
+        worst = max(assert_same_scores(live / "nano_eval" / f"step_{s}", swept / f"step-{s}") for s in (2, 4))
+        done = [json.loads((swept / f"step-{s}" / "results.json").read_text()) for s in (2, 4)]
+        assert [(r["step"], r["consumed_tokens"]) for r in done] == [(r["step"], r["consumed_tokens"]) for r in rows]
+        assert {r["sweep"]["kind"] for r in done} == {"torchtitan"}
+    else:
+        checkpoint = score_checkpoint(assets, live / "checkpoint" / "step-4", root / f"{name}_ckpt", config)
+        worst = assert_same_scores(live / "nano_eval" / "step_4", checkpoint)
+    print(f"{name}: losses bitwise equal over {STEPS} steps; live vs checkpoint: max |logprob diff| {worst:.1e}")
 
 
 def check_loggers(out: Path, rows: list[dict]) -> None:
