@@ -316,6 +316,21 @@ def test_kv_cache_generations_equal_the_rerun_path_slow(name, assets, tmp_path):
     check_decoding(name, decode(assets, tmp_path, nproc, unshard, args, *config))
 
 
+def test_kv_cache_runs_compiled_blocks_eagerly(tmp_path):
+    """With every block compiled as torchtitan's apply_compile does (fullgraph=True), the cache decodes with the
+    blocks run eagerly (its shapes change at every step: dynamo would recompile until its limit, which fullgraph
+    makes a hard failure, as it did before) and they are compiled again after; generations equal the re-run path's,
+    which runs the compiled blocks."""
+    require_torchtitan()
+    command = [sys.executable, str(ROOT / "tests" / "torchtitan_launch.py"),
+               str(ROOT / "tests" / "torchtitan_decode_worker.py"), "compiled", str(tmp_path)]
+    done = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    result = json.loads((tmp_path / "compiled.json").read_text())
+    assert result["equal"] and result["still_compiled"], result
+    assert result["graphs_while_decoding"] == 0 < result["rerun_graphs"], result
+
+
 def test_the_batches_are_uneven(assets):
     """The evaluation above gives the two data-parallel ranks different numbers of demo|arithmetic forwards (the
     situation in which FSDP2's per-forward all-gathers hang without lockstep)."""

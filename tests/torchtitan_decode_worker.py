@@ -6,6 +6,9 @@ training step. Run on CPU under torchrun through tests/torchtitan_launch.py (the
         OUT_DIR UNSHARD --module tests.torchtitan_configs --config tiny_llama ... (torchtitan's own arguments)
 
 UNSHARD: auto / false (the backend's option: false keeps FSDP2 sharded, so the backend runs in lockstep).
+`... tests/torchtitan_decode_worker.py compiled OUT_DIR` (one process, no torchrun): tiny_llama with every block
+compiled as torchtitan's `apply_compile` does (`block.compile(fullgraph=True)`; backend "eager": dynamo traces, no
+C++ toolchain), generations of both paths and the graphs dynamo built while the cache decoded, in OUT_DIR/compiled.json.
 Each rank writes OUT_DIR/rank<R>.json: tests/generation_checks.py's cached_and_rerun (generations of both paths,
 with and without a stop sequence, tokens through the embedding) plus "shared": both paths on prompts with a long
 common prefix, which the decoder prefills once (`shared_prefix`: the longest prefix a prefill shared).
@@ -62,6 +65,36 @@ def shared_prefix(backend) -> dict:
         CacheDecoder.prefill = prefill
 
 
+def compiled(out_dir: Path) -> None:
+    import torch
+    from torch._dynamo.utils import counters
+
+    import tests.torchtitan_configs as configs
+    from nano_eval.backends.base import evaluation_mode
+    from nano_eval.backends.torchtitan import TorchtitanModel
+    from nano_eval.checkpoints.torchtitan import build_model
+    from nano_eval.toy import build_tokenizer
+    from tests.generation_checks import Rerunning, generate
+
+    torch.manual_seed(0)
+    model = build_model(configs.tiny_llama(), 64)
+    tokenizer = build_tokenizer()
+    tokenizer.pad_token = tokenizer.eos_token
+    backend = TorchtitanModel([model], None, tokenizer, max_length=64)
+    for block in model.layers.values():
+        block.compile(backend="eager", fullgraph=True)
+    with backend.session(), evaluation_mode(model):
+        rerun = generate(Rerunning(backend), [])
+        graphs = counters["stats"]["unique_graphs"]
+        cached = generate(backend, [])
+        graphs = counters["stats"]["unique_graphs"] - graphs
+    still = all(block._compiled_call_impl is not None for block in model.layers.values())
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "compiled.json").write_text(json.dumps({"equal": cached == rerun, "graphs_while_decoding": graphs,
+                                                       "rerun_graphs": counters["stats"]["unique_graphs"] - graphs,
+                                                       "still_compiled": still}))
+
+
 def main() -> None:
     import torch.distributed as dist
     from torchtitan.config import ConfigManager
@@ -94,4 +127,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1] == "compiled":
+        compiled(Path(sys.argv[2]))
+    else:
+        main()
