@@ -446,3 +446,32 @@ def test_unsharded_parameters_restore_fsdp_settings():
     finally:
         if own:
             dist.destroy_process_group()
+
+
+def test_kv_cache_refuses_what_it_cannot_serve_exactly():
+    """compat.torchtitan.cache_unsupported, on models built (on the meta device) from torchtitan's own configs: the
+    tests' Llama3, Qwen3 MoE and DeepSeek-V3 decode from the cache; gpt-oss (sliding windows and sinks, its own
+    masks) and a varlen sliding window re-run the prompt, each with its reason. (Qwen3.5's linear attention needs the
+    `fla` package, not installed here; its attention is not GQA, so it is refused the same way.)"""
+    require_torchtitan()
+    import dataclasses
+
+    import torch
+    from torchtitan.models import gpt_oss
+    from torchtitan.models.common.attention import VarlenAttention
+
+    import tests.torchtitan_configs as configs
+    from nano_eval.compat.torchtitan import cache_unsupported
+
+    def built(config):
+        with torch.device("meta"):
+            return config.build()
+
+    for spec in (configs.tiny_llama_model(), configs.tiny_qwen3_moe_model(), configs.tiny_deepseek_v3_model()):
+        assert cache_unsupported(built(spec.model)) is None, spec.name
+    assert "its own attention masks" in cache_unsupported(built(gpt_oss.model_registry("debugmodel").model))
+    windowed = configs.tiny_llama_model().model
+    for layer in windowed.layers:
+        layer.attention = dataclasses.replace(layer.attention,
+                                              inner_attention=VarlenAttention.Config(window_size=(8, 0)))
+    assert "attention window (8, 0)" in cache_unsupported(built(windowed))
