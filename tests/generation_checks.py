@@ -10,10 +10,12 @@ GEN_PROMPTS = [f"Question: {i} plus {3 * i}\nAnswer:" + " so" * (i % 5) for i in
 
 
 class Rerunning:
-    """A backend without `incremental_decoder`: generation re-runs the prompt for every new token."""
+    """A backend without `incremental_decoder`: generation re-runs the prompt for every new token (in lockstep
+    where the backend is)."""
 
     def __init__(self, backend):
         self.forward, self.layout, self.module = backend.forward, backend.layout, backend.module
+        self.lockstep = getattr(backend, "lockstep", False)
         self.tokenizer, self.max_length = backend.tokenizer, backend.max_length
 
 

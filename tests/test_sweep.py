@@ -7,6 +7,7 @@ The checkpoints come from a real short CPU training run (tests/sweep_utils.py); 
 
 import gc
 import json
+import os
 import struct
 from html.parser import HTMLParser
 from pathlib import Path
@@ -79,6 +80,57 @@ def test_megatron_run_dir_and_its_loader(tmp_path):
     # Megatron checkpoints go to the Megatron converter (tested in tests/test_megatron.py), which needs a tokenizer
     with pytest.raises(NanoEvalError, match="iter_0000100.*do not hold a tokenizer"):
         load_backend(str(found[0].path), LoadOptions())
+
+
+def _torchtitan_ckpt(path: Path, *, index: bool = True, model_file: dict | None = None) -> Path:
+    """A torchtitan DCP step folder as its checkpointer writes it (data files, then the index last)."""
+    path.mkdir(parents=True)
+    (path / "__0_0.distcp").write_bytes(b"\0" * 64)
+    if index:
+        (path / ".metadata").write_bytes(b"\0" * 16)
+    if model_file is not None:
+        (path / "nano_eval_torchtitan.json").write_text(json.dumps(model_file))
+    return path
+
+
+def test_torchtitan_run_dir(tmp_path):
+    """torchtitan's dump folder (checkpoint/step-N/) or its checkpoint/ folder: each DCP step folder, complete once
+    its index is written (the trainer's own marker: no settling wait), consumed tokens from the hook's model file;
+    an index that is a symlink leading outside or a FIFO leaves it unfinished (never opened)."""
+    from nano_eval.checkpoints.megatron_dist import INDEX
+    from nano_eval.checkpoints.torchtitan import MODEL_FILE
+    from nano_eval.sweep.discovery import DCP_INDEX, TORCHTITAN_MODEL_FILE, has_marker, listing
+
+    assert (DCP_INDEX, TORCHTITAN_MODEL_FILE) == (INDEX, MODEL_FILE)  # the loader's names
+
+    dump, outside = tmp_path / "dump", tmp_path / "outside"
+    folder = dump / "checkpoint"
+    _torchtitan_ckpt(folder / "step-20", model_file={"module": "llama3", "config": "llama3_8b", "consumed_tokens": 40960})
+    _torchtitan_ckpt(folder / "step-5")
+    _torchtitan_ckpt(folder / "step-30", index=False)  # the data files are being written
+    linked = _torchtitan_ckpt(folder / "step-40", index=False)
+    outside.mkdir()
+    (outside / ".metadata").write_bytes(b"\0" * 16)
+    (linked / ".metadata").symlink_to(outside / ".metadata")
+    os.mkfifo(_torchtitan_ckpt(folder / "step-50", index=False) / ".metadata")
+    (dump / "tb").mkdir()  # torchtitan's other output folders are not checkpoints
+    for run in (dump, folder):
+        assert listing(run) == folder
+        found = discover(run)
+        assert [(c.step, c.kind) for c in found] == [(5, "torchtitan"), (20, "torchtitan"), (30, "torchtitan"),
+                                                     (40, "torchtitan"), (50, "torchtitan")]
+        status = {c.step: missing_parts(c, run) for c in found}
+        assert status[5] is None and status[20] is None, status
+        assert all(".metadata is not written yet" in status[s] for s in (30, 40, 50)), status
+        assert [has_marker(c, run) for c in found] == [True, True, False, False, False]
+        assert [consumed_tokens(c) for c in found] == [None, 40960, None, None, None]
+    assert is_checkpoint_dir(folder / "step-5") and not is_checkpoint_dir(dump) and not is_checkpoint_dir(folder)
+    # an HF folder named step-N stays an HF checkpoint; a `checkpoint` folder that leads outside is not listed
+    assert [(c.step, c.kind) for c in discover(_hf_ckpt(tmp_path / "hf" / "step-7").parent)] == [(7, "hf")]
+    other = tmp_path / "other_dump"
+    other.mkdir()
+    (other / "checkpoint").symlink_to(folder)
+    assert listing(other) == other and discover(other) == []
 
 
 def _hf_ckpt(path: Path, *, weights: bool = True, truncate: bool = False) -> Path:

@@ -23,16 +23,21 @@ called as `part(tokens or hidden [B, S(, H)], positions=[B, S], attention_masks=
   replica holds the same batch, so shapes are known on both sides). Logits come out of the last stage.
 - CP: folded into DP. Each CP rank scores whole rows; FlexAttention's key / value all-gather over the CP mesh is off
   while scoring (nano_eval.compat.torchtitan.local_context_parallel).
-- MoE: torchtitan routes every token to its top-k experts in eval mode (dropless) and counts expert load only in
-  training mode, so scoring leaves the load-balancing state alone; HybridEP's capacity-factor dispatch is refused.
-  Under expert parallelism the MoE all-to-all spans data-parallel ranks: lockstep. (Not run on CPU here.)
-- Greedy generation re-runs the prompt for every new token (no KV cache for torchtitan's attention yet; one note
-  on rank 0 says so).
+- MoE: torchtitan routes every token to its top-k experts (dropless) and counts expert load only in training mode,
+  so scoring (in eval mode) leaves the load-balancing state alone; routers route by their scores while scoring
+  (`--debug.moe_force_load_balance`'s round-robin routing, which depends on a token's index in its batch, is off
+  and put back after: nano_eval.compat.torchtitan.learned_routing); HybridEP's capacity-factor dispatch is
+  refused. Under expert parallelism the MoE all-to-all spans data-parallel ranks: lockstep.
+- Greedy generation decodes from nano_eval's KV cache over the model's own modules, in the same layout
+  (nano_eval.backends.torchtitan_cache: each prompt once, then one token per row per step); a model whose attention
+  it cannot serve exactly (sliding windows, sinks, linear attention, multi-token prediction) re-runs the prompt for
+  every new token (one note on rank 0 says so).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 import torch.distributed as dist
@@ -70,6 +75,8 @@ class TorchtitanModel:
         first = next(p for part in self.parts for p in part.parameters())
         self.device = torch.device(device) if device is not None else tt.local(first).device
         self.layout = tt.layout_of(parallel_dims, "cuda" if self.device.type == "cuda" else "cpu")
+        if tt.has_moe(self.parts):  # token-choice top-k routing, never a capacity (HybridEP's is refused above)
+            self.layout = dataclasses.replace(self.layout, moe_routing="dropless")
         tt.note_untested_version(self.layout.is_main)
         self.stages = tt.stages_of(schedule, self.parts)
         config = getattr(self.parts[0], "config", None)
@@ -116,26 +123,46 @@ class TorchtitanModel:
             self._depth -= 1
 
     def incremental_decoder(self, shared_prefix_tokens: int = 0):
-        note_rerun_generation(self, "no KV cache for torchtitan's attention yet")
+        """Greedy generation from nano_eval's KV cache over the model's own modules
+        (nano_eval.backends.torchtitan_cache) behind nano_eval.decoder.CacheDecoder; None (the prompt is re-run per
+        token) for a model whose attention the cache cannot serve exactly (compat.torchtitan.cache_unsupported)."""
+        from nano_eval.backends.torchtitan_cache import TorchtitanCache
+        from nano_eval.decoder import CacheDecoder
+
+        reason = tt.cache_unsupported(self.stages[0].module)
+        if reason is None:
+            return CacheDecoder(TorchtitanCache(self), shared_prefix_tokens)
+        note_rerun_generation(self, reason)
         return None
 
     @torch.no_grad()
     def forward(self, batch: Batch) -> torch.Tensor | None:
         """Logits [N, V/tp] at (batch.rows, batch.cols) on the last pipeline stage; None on the other stages. Called
         inside `session()` (nano_eval.backends.base.scoring_session: the Evaluator and the hook open it)."""
+        b, s = batch.input_ids.shape
+        positions = torch.arange(s + (-s % self.seq_multiple), device=self.device).expand(b, -1)
+        return self.run(batch.input_ids.to(self.device), positions, batch.rows.to(self.device),
+                        batch.cols.to(self.device))
+
+    def run(self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor,
+            masks: bool = True) -> torch.Tensor | None:
+        """tokens [B, S] int64 at RoPE positions [B, S'] (S' >= S: S padded on the right to a multiple of tp under
+        sequence parallelism, positions already are) through every stage; logits [N, V/tp] at (rows, cols) on the
+        last stage, None elsewhere. `masks`: torchtitan's own attention masks from the positions (scoring), or none
+        (the KV cache, nano_eval.backends.torchtitan_cache, attends with its own)."""
         if self.unsharded is not None and self._depth == 0:
             raise RuntimeError("TorchtitanModel.forward outside session(): FSDP2 would all-gather in this forward "
                                "while the data-parallel ranks are not in lockstep")
-        tokens = batch.input_ids.to(self.device)
         extra = -tokens.shape[1] % self.seq_multiple
         if extra:
             tokens = F.pad(tokens, (0, extra), value=0)
-        b, s = tokens.shape
-        positions = torch.arange(s, device=self.device).expand(b, s).contiguous()
-        masks = tt.attention_masks(self.stages[0].module, positions)
+        if positions.shape[1] < tokens.shape[1]:
+            positions = F.pad(positions, (0, tokens.shape[1] - positions.shape[1]), value=0)
+        positions = positions.contiguous()
+        masks = tt.attention_masks(self.stages[0].module, positions) if masks else None
         tokens, positions = tt.spmd_inputs(self.parallel_dims, tokens, positions)
-        rows, cols = batch.rows.to(self.device), batch.cols.to(self.device)
-        with tt.local_context_parallel(self.parallel_dims), tt.spmd_context(self.parallel_dims):
+        with tt.local_context_parallel(self.parallel_dims), tt.learned_routing(self.parts), \
+                tt.spmd_context(self.parallel_dims):
             return self._through_stages(tokens, positions, masks, rows, cols)
 
     def _through_stages(self, tokens, positions, masks, rows, cols) -> torch.Tensor | None:
@@ -155,7 +182,7 @@ class TorchtitanModel:
             if index == count - 1:
                 logits = self._scored(part, hidden, positions, masks, rows, cols)
             else:
-                hidden = tt.local(part(hidden, positions=positions, attention_masks=masks))
+                hidden = part(hidden, positions=positions, attention_masks=masks)  # DTensor under TP
                 if index + 1 not in mine:
                     self._send(hidden, self._owners[index + 1])
         return logits
@@ -189,19 +216,25 @@ class TorchtitanModel:
         return dist.get_global_rank(self.layout.pp_group, pp_rank)
 
     def _send(self, hidden: torch.Tensor, pp_rank: int) -> None:
-        code = torch.tensor([_DTYPES.index(hidden.dtype)], dtype=torch.int64, device=hidden.device)
+        """A dtype code and the TP placement code of `hidden` (nano_eval.compat.torchtitan.placement_code), then
+        its local part."""
+        local = tt.local(hidden)
+        code = torch.tensor([_DTYPES.index(local.dtype), tt.placement_code(hidden)], dtype=torch.int64,
+                            device=local.device)
         dist.send(code, self._peer(pp_rank), group=self.layout.pp_group)
-        dist.send(hidden.contiguous(), self._peer(pp_rank), group=self.layout.pp_group)
+        dist.send(local.contiguous(), self._peer(pp_rank), group=self.layout.pp_group)
 
     def _receive(self, pp_rank: int, shape: torch.Size) -> torch.Tensor:
-        """Hidden states [B, S/sp, H] (this rank's sequence share under sequence parallelism) from the stage before."""
-        code = torch.zeros(1, dtype=torch.int64, device=self.device)
+        """Hidden states [B, S/sp, H] (this rank's sequence share under sequence parallelism) from the stage before,
+        a DTensor placed as the sender's was (under TP: the next stage's modules mix it with their DTensors, as
+        torchtitan's PipelineStage re-wraps what it receives)."""
+        code = torch.zeros(2, dtype=torch.int64, device=self.device)
         dist.recv(code, self._peer(pp_rank), group=self.layout.pp_group)
         b, s = shape
-        hidden = torch.empty(b, s // self.seq_multiple, self._dim(), dtype=_DTYPES[int(code.item())],
+        hidden = torch.empty(b, s // self.seq_multiple, self._dim(), dtype=_DTYPES[int(code[0].item())],
                              device=self.device)
         dist.recv(hidden, self._peer(pp_rank), group=self.layout.pp_group)
-        return hidden
+        return tt.with_placement(hidden, int(code[1].item()), self.parallel_dims)
 
     def _dim(self) -> int:
         dim = getattr(getattr(self.parts[0], "config", None), "dim", None)

@@ -13,6 +13,11 @@ on torch 2.13, SPMD backend `partial_dtensor`).
   and values over the CP mesh through `flex_cp_allgather`, looked up at every call) off while scoring.
 - `spmd_inputs`: the SPMD context and input annotation torchtitan's Trainer applies under `spmd_types` (not testable
   on torch 2.13: that backend needs a newer torch).
+- `learned_routing`: MoE routers route by their scores while scoring (the debug option that forces round-robin
+  routing switched off, put back after).
+- `cache_unsupported` / `inner_attention_replaced`: where the KV cache (nano_eval.backends.torchtitan_cache) plugs
+  into torchtitan's attention: each layer's `attention.inner_attention` (the kernel called with rotated q, k, v),
+  swapped for the cache's while decoding.
 """
 
 from __future__ import annotations
@@ -119,6 +124,32 @@ def like(tensor: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def placement_code(tensor: torch.Tensor) -> int:
+    """How `tensor` lies over the TP mesh, as one number a pipeline stage sends with it: -2 a plain tensor, -1
+    replicated, d >= 0 sharded along dim d (torchtitan's activations between blocks: replicated, or sharded along
+    the sequence under sequence parallelism)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if not isinstance(tensor, DTensor):
+        return -2
+    (placement,) = tensor.placements  # a 1-D TP mesh under torchtitan's partial_dtensor backend
+    if isinstance(placement, Replicate):
+        return -1
+    if isinstance(placement, Shard):
+        return placement.dim
+    raise NotImplementedError(f"hidden states placed {placement} between pipeline stages")
+
+
+def with_placement(tensor: torch.Tensor, code: int, parallel_dims) -> torch.Tensor:
+    """The local `tensor` as a DTensor on this rank's TP mesh, placed as `placement_code` said (-2: as is)."""
+    if code == -2:
+        return tensor
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    placement = Replicate() if code == -1 else Shard(code)
+    return DTensor.from_local(tensor, _mesh(parallel_dims, "tp"), [placement], run_check=False)
+
+
 def fsdp_modules(parts: list) -> list:
     from torch.distributed.fsdp import FSDPModule
 
@@ -215,6 +246,28 @@ def token_dropping(parts: list) -> str | None:
     return None
 
 
+def has_moe(parts: list) -> bool:
+    """Whether any model part holds a torchtitan MoE layer."""
+    from torchtitan.models.common.moe import MoE
+
+    return any(isinstance(m, MoE) for part in parts for m in part.modules())
+
+
+@contextlib.contextmanager
+def learned_routing(parts: list):
+    """While inside: every MoE router routes by its scores. torchtitan's `--debug.moe_force_load_balance` makes
+    routers assign experts round-robin by a token's index in its batch (`_debug_force_load_balance`), so a row's
+    scores would depend on the rows before it; it is switched off and put back on exit."""
+    forced = [m for part in parts for m in part.modules() if getattr(m, "_debug_force_load_balance", False) is True]
+    try:
+        for router in forced:
+            router._debug_force_load_balance = False
+        yield
+    finally:
+        for router in forced:
+            router._debug_force_load_balance = True
+
+
 def attention_masks(part, positions: torch.Tensor):
     """The masks torchtitan builds for its Flex / Varlen attention from per-token positions (None otherwise)."""
     from torchtitan.models.common.attention import FlexAttention, VarlenAttention
@@ -225,3 +278,69 @@ def attention_masks(part, positions: torch.Tensor):
     if isinstance(inner, (FlexAttention.Config, VarlenAttention.Config)):
         return part.get_attention_masks(positions=positions)
     return None
+
+
+def _cacheable_attention_configs() -> tuple:
+    """Attention configs whose module projects, rotates (RoPE at the given positions) and then calls
+    `inner_attention(q, k, v, attention_masks=, scale=[, enable_gqa=])` with nothing else: torchtitan's GQA
+    (Llama3, Qwen3 dense and MoE) and DeepSeek-V3's multi-latent attention."""
+    from torchtitan.models.common.attention import GQAttention
+
+    kinds = [GQAttention.Config]
+    try:
+        from torchtitan.models.deepseek_v3.model import Attention as LatentAttention
+
+        kinds.append(LatentAttention.Config)
+    except ImportError:
+        pass
+    return tuple(kinds)
+
+
+def cache_unsupported(part) -> str | None:
+    """Why torchtitan model `part` cannot decode from nano_eval's KV cache, or None. Reads the model's config only
+    (the whole model's, also on a pipeline stage holding a few layers), so every rank gets the same answer."""
+    from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention, VarlenAttention
+    from torchtitan.models.common.decoder import Decoder
+
+    config = getattr(part, "config", None)
+    layers = getattr(config, "layers", None)
+    if not isinstance(part, Decoder) or layers is None:
+        return f"{type(part).__name__} is not a torchtitan Decoder"
+    if type(part).get_attention_masks is not Decoder.get_attention_masks:
+        return f"{type(part).__name__} builds its own attention masks (sliding windows or other layer kinds)"
+    if getattr(config, "mtp_layers", None):
+        return "multi-token prediction layers"
+    kinds = _cacheable_attention_configs()
+    for index, layer in enumerate(layers):
+        attention = getattr(layer, "attention", None)
+        if not isinstance(attention, kinds):
+            return f"layer {index}: attention {type(attention).__name__}"
+        inner = attention.inner_attention
+        if not isinstance(inner, (FlexAttention.Config, ScaledDotProductAttention.Config, VarlenAttention.Config)):
+            return f"layer {index}: inner attention {type(inner).__name__}"
+        if getattr(inner, "window_size", (-1, 0)) != (-1, 0):
+            return f"layer {index}: attention window {inner.window_size}"
+    return None
+
+
+@contextlib.contextmanager
+def inner_attention_replaced(parts: list, make):
+    """While inside: in every model part, each layer's `attention.inner_attention` is `make(layer name)` (layer
+    names are the model's own layer ids, unique across pipeline stages), and blocks that torchtitan compiled
+    (`block.compile()`) run eagerly (the cache's shapes change at every step). Restored on exit."""
+    swapped, compiled = [], []
+    try:
+        for part in parts:
+            for name, layer in part.layers.items():
+                attention = layer.attention
+                swapped.append((attention, attention.inner_attention))
+                attention.inner_attention = make(name)
+                if getattr(layer, "_compiled_call_impl", None) is not None:
+                    compiled.append((layer, layer._compiled_call_impl))
+                    layer._compiled_call_impl = None
+        yield
+    finally:
+        for attention, inner in swapped:
+            attention.inner_attention = inner
+        for layer, impl in compiled:
+            layer._compiled_call_impl = impl

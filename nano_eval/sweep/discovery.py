@@ -4,9 +4,13 @@ Layouts (one run directory holds one kind):
   nanotron   RUN/<step>/{config.yaml, model/, checkpoint_metadata.json}  + RUN/latest.txt (last complete step)
   megatron   RUN/iter_0000100/...                                       + RUN/latest_checkpointed_iteration.txt
   hf         RUN/checkpoint-500/, RUN/step_100/, RUN/step-100/, or any folder with config.json and a number in its name
+  torchtitan RUN/checkpoint/step-100/{.metadata, __0_0.distcp, ...}   (RUN: torchtitan's dump_folder; or pass its
+             checkpoint/ folder itself). A step-N folder is torchtitan's when it holds DCP files or the hook's
+             nano_eval_torchtitan.json, or lies in a folder named `checkpoint`, and has no config.json
 
 A checkpoint is complete when its trainer's marker file says so (nanotron latest.txt / checkpoint_metadata.json,
-Megatron's tracker file) or, for hf folders, when config.json and every weight file are there (the index lists its
+Megatron's tracker file, torchtitan's DCP `.metadata`, which torch.distributed.checkpoint renames into place after
+every rank's data is written) or, for hf folders, when config.json and every weight file are there (the index lists its
 shards; a safetensors file is as long as its header says) and no temporary file is left. Marker-less checkpoints
 must also look the same (sizes, mtimes) on two looks at least `settle_s` apart: `Settler` keeps those looks.
 
@@ -35,6 +39,11 @@ NANOTRON_LATEST = "latest.txt"
 MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
 HF_NAME = re.compile(r"^(?:checkpoint|step|global_step|iter|ckpt)[-_]?(\d+)$")
 MEGATRON_NAME = re.compile(r"^iter_(\d+)$")
+TORCHTITAN_NAME = re.compile(r"^step-(\d+)$")
+TORCHTITAN_FOLDER = "checkpoint"  # torchtitan's <dump_folder>/checkpoint/ (its checkpoint.folder default)
+# the names nano_eval.checkpoints.megatron_dist.INDEX / torchtitan.MODEL_FILE (not imported: they pull in torch)
+DCP_INDEX = ".metadata"
+TORCHTITAN_MODEL_FILE = "nano_eval_torchtitan.json"
 TEMP_MARKERS = (".tmp", ".temp", ".partial", ".incomplete", ".lock", ".part")
 HF_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
 HF_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
@@ -44,7 +53,7 @@ HF_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 class Checkpoint:
     path: Path
     step: int
-    kind: str  # "nanotron" | "megatron" | "hf"
+    kind: str  # "nanotron" | "megatron" | "hf" | "torchtitan"
 
     @property
     def name(self) -> str:
@@ -103,6 +112,9 @@ def classify(path: Path, run_dir: Path | None = None) -> Checkpoint | None:
     nanotron_run = run_dir is not None and (run_dir / NANOTRON_LATEST).exists()
     if name.isdigit() and ((path / "config.yaml").exists() or (path / "model").is_dir() or nanotron_run):
         return Checkpoint(path, int(name), "nanotron")
+    if (m := TORCHTITAN_NAME.match(name)) and not (path / "config.json").exists() and (
+            path.parent.name == TORCHTITAN_FOLDER or _holds_dcp(path)):
+        return Checkpoint(path, int(m.group(1)), "torchtitan")
     if m := HF_NAME.match(name):
         return Checkpoint(path, int(m.group(1)), "hf")
     numbers = re.findall(r"\d+", name)
@@ -111,11 +123,31 @@ def classify(path: Path, run_dir: Path | None = None) -> Checkpoint | None:
     return None
 
 
+def _holds_dcp(path: Path) -> bool:
+    """A torch.distributed.checkpoint folder, or one being written (its index or data files), or one the
+    torchtitan hook marked."""
+    return (path / DCP_INDEX).exists() or (path / TORCHTITAN_MODEL_FILE).exists() or any(path.glob("*.distcp"))
+
+
 def is_checkpoint_dir(path: str | Path) -> bool:
     """True when `path` is itself one checkpoint (not a run directory holding several)."""
     p = Path(path)
     return (p / "config.json").exists() or ((p / "config.yaml").exists() and (p / "model").is_dir()) or bool(
-        MEGATRON_NAME.match(p.name))
+        MEGATRON_NAME.match(p.name)) or bool(TORCHTITAN_NAME.match(p.name) and _holds_dcp(p))
+
+
+def listing(run_dir: str | Path) -> Path:
+    """The folder whose subfolders are the run's checkpoints: `run_dir`, or for a torchtitan dump folder (holding
+    `checkpoint/step-N/`, no checkpoint of its own) its `checkpoint/` folder, when that lies inside `run_dir`."""
+    run = Path(run_dir)
+    folder = run / TORCHTITAN_FOLDER
+    if not folder.is_dir() or is_checkpoint_dir(run) or classify(folder, run) is not None:
+        return run
+    try:
+        resolve_inside(folder, run)
+    except LocalFileError:
+        return run
+    return folder if any(TORCHTITAN_NAME.match(p.name) for p in folder.iterdir()) else run
 
 
 _warned: set[Path] = set()
@@ -139,11 +171,12 @@ def _inside_run(path: Path, run: Path) -> bool:
 
 
 def discover(run_dir: str | Path) -> list[Checkpoint]:
-    """Every checkpoint folder directly under `run_dir`, finished or not, in step order (symlinked folders leading
-    outside `run_dir` are skipped with a warning)."""
+    """Every checkpoint folder directly under `run_dir` (a torchtitan dump folder: under its `checkpoint/`),
+    finished or not, in step order (symlinked folders leading outside `run_dir` are skipped with a warning)."""
     run = Path(run_dir)
-    found = [c for c in (classify(p, run) for p in sorted(run.iterdir()) if _inside_run(p, run)) if c is not None
-             ] if run.is_dir() else []
+    folder = listing(run) if run.is_dir() else run
+    found = [c for c in (classify(p, folder) for p in sorted(folder.iterdir()) if _inside_run(p, run))
+             if c is not None] if run.is_dir() else []
     steps: dict[int, Checkpoint] = {}
     for c in found:
         if c.step in steps:  # two names for one step (checkpoint-5 and step_5): keep the first, by name
@@ -174,11 +207,25 @@ def missing_parts(ckpt: Checkpoint, run_dir: Path) -> str | None:
         return None if latest is not None and ckpt.step <= latest else f"{MEGATRON_TRACKER} does not reach it yet"
     if ckpt.kind == "nanotron":
         return _nanotron_missing(ckpt, run_dir)
+    if ckpt.kind == "torchtitan":
+        return None if _dcp_index_written(ckpt.path) else (
+            f"its {DCP_INDEX} is not written yet (torch.distributed.checkpoint writes it once every rank's data is)")
     return _hf_missing(ckpt.path)
 
 
+def _dcp_index_written(path: Path) -> bool:
+    """The DCP index of the folder is there as a regular file inside it (not read: the loader checks it whole)."""
+    try:
+        return stat.S_ISREG(os.stat(resolve_inside(path / DCP_INDEX, path)).st_mode)
+    except (LocalFileError, OSError):
+        return False
+
+
 def has_marker(ckpt: Checkpoint, run_dir: Path) -> bool:
-    """True when the trainer itself declared the checkpoint finished (a tracker file that reaches its step)."""
+    """True when the trainer itself declared the checkpoint finished (a tracker file that reaches its step;
+    torchtitan's: the DCP index, written last)."""
+    if ckpt.kind == "torchtitan":
+        return _dcp_index_written(ckpt.path)
     tracker = {"nanotron": NANOTRON_LATEST, "megatron": MEGATRON_TRACKER}.get(ckpt.kind)
     latest = _read_int(run_dir / tracker) if tracker else None
     return latest is not None and ckpt.step <= latest
@@ -292,8 +339,12 @@ def ready(ckpt: Checkpoint, run_dir: Path, settler: Settler) -> tuple[bool, str 
 
 
 def consumed_tokens(ckpt: Checkpoint) -> int | None:
-    """Tokens the trainer had consumed at this checkpoint, when its files say (nanotron metadata, HF trainer state)."""
+    """Tokens the trainer had consumed at this checkpoint, when its files say (nanotron metadata, HF trainer state,
+    the torchtitan hook's nano_eval_torchtitan.json)."""
     try:
+        if ckpt.kind == "torchtitan":
+            seen = (_read_json(ckpt.path / TORCHTITAN_MODEL_FILE) or {}).get("consumed_tokens")
+            return seen if type(seen) is int and seen >= 0 else None
         if ckpt.kind == "nanotron" and (ckpt.path / "checkpoint_metadata.json").exists():
             metas = (_read_json(ckpt.path / "checkpoint_metadata.json") or {}).get("metas", {})
             if metas.get("consumed_tokens_total"):

@@ -295,7 +295,8 @@ class SweepRunner:
         if not found and not o.watch:
             hint = (f"it is itself one checkpoint: evaluate it with `nano_eval --checkpoint {self.run_dir}`"
                     if is_checkpoint_dir(self.run_dir) else
-                    "pass a run directory holding <step>/, iter_*/ or checkpoint-*/ folders, or use --watch")
+                    "pass a run directory holding <step>/, iter_*/ or checkpoint-*/ folders (torchtitan: its dump folder, "
+                    "holding checkpoint/step-N/), or use --watch")
             raise NanoEvalError(f"no checkpoints found under {self.run_dir} (after the step selection). Fix: {hint}.")
         work, settling = [], []
         for ckpt in found:
