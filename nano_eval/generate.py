@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Callable, Collection, Sequence
+from typing import Callable, Collection, Iterator, Sequence
 
 import torch
 
@@ -85,16 +85,48 @@ def plan_step(numbers: Sequence[Sequence[int]]) -> Plan:
     return Plan(rows, admit, max(admit), wide, max(live) > 0, max(max(longest), wide))
 
 
-def next_rows(slots: Sequence[object | None], rows: int, admit: int) -> tuple[list[int], list[int], list[int]]:
-    """The decoder's next rows: slots [row] (None: a dead row), the plan's row count and this rank's admitted prompts
-    -> (keep: current rows that stay, in order: every live row and as many dead ones as the plan leaves room for;
-    empty: positions in `keep` of the dead rows kept, refilled now or decoding fillers; targets: the positions the
-    admitted prompts go to, dead rows first, then new rows at the end)."""
+def next_rows(slots: Sequence[int | None], rows: int, newcomers: Sequence[int]) -> tuple[list, list, list, list]:
+    """The decoder's next rows: slots [row] -> the prompt in it (None: a dead row), the plan's row count and the
+    prompts this rank admits -> (keep: current rows that stay, in order: every live row and as many dead ones as the
+    plan leaves room for; empty: positions in `keep` of the dead rows kept, refilled now or decoding fillers;
+    targets: the positions the admitted prompts go to, dead rows first, then new rows at the end; the new slots)."""
     live = sum(i is not None for i in slots)
     dead = [k for k, i in enumerate(slots) if i is None]
     keep = sorted([k for k, i in enumerate(slots) if i is not None] + dead[:max(0, rows - live)])
     empty = [j for j, k in enumerate(keep) if slots[k] is None]
-    return keep, empty, (empty + list(range(len(keep), rows)))[:admit]
+    targets = (empty + list(range(len(keep), rows)))[:len(newcomers)]
+    after = [slots[k] for k in keep] + [None] * (rows - len(keep))
+    for j, i in zip(targets, newcomers):
+        after[j] = i
+    return keep, empty, targets, after
+
+
+def simulate(prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]], max_new: int,
+             max_tokens: int | None = None, max_rows: int | None = None) -> Iterator[tuple[Plan, list[list]]]:
+    """greedy_decode's plans without a model, for costing a schedule (scripts/lockstep_cost.py, the tests): rank r's
+    prompt i has prompts[r][i] tokens (longest first, as the engine orders them) and generates answers[r][i]
+    (<= max_new). Yields each step's Plan and every rank's slots after it (the prompt in each row, None: dead)."""
+    budget = (max_tokens or sys.maxsize, max_rows or sys.maxsize)
+    contexts = [[[0] * n for n in lengths] for lengths in prompts]
+    fed = [[[] for _ in lengths] for lengths in prompts]
+    slots: list[list] = [[] for _ in prompts]
+    waiting = [0] * len(prompts)
+    while True:
+        for rank, rows in enumerate(slots):
+            for k, i in enumerate(rows):
+                if i is not None:
+                    fed[rank][i].append(0)
+                    if len(fed[rank][i]) >= answers[rank][i]:
+                        rows[k] = None
+        numbers = [_numbers(contexts[r], fed[r], [i for i in slots[r] if i is not None], waiting[r], max_new,
+                            budget, True) for r in range(len(prompts))]
+        if not any(live or left for live, left, *_ in numbers):
+            return
+        plan = plan_step(numbers)
+        for rank, admit in enumerate(plan.admit):
+            slots[rank] = next_rows(slots[rank], plan.rows, range(waiting[rank], waiting[rank] + admit))[3]
+            waiting[rank] += admit
+        yield plan, [list(rows) for rows in slots]
 
 
 def greedy_decode(backend: Backend, rows: Sequence[Row], pad_id: int, eos_ids: Collection[int],
@@ -167,17 +199,15 @@ def greedy_decode(backend: Backend, rows: Sequence[Row], pad_id: int, eos_ids: C
         if not agreement.meet(bool(live) or waiting < len(contexts), numbers):  # all done, or some rank failed
             break
         plan = plan_step(agreement.numbers)
-        admit = plan.admit[me]
-        keep, empty, targets = next_rows(slots, plan.rows, admit)
-        newcomers = list(range(waiting, waiting + admit))
-        waiting += admit
+        newcomers = range(waiting, waiting + plan.admit[me])
+        keep, empty, targets, after = next_rows(slots, plan.rows, newcomers)
+        waiting += len(newcomers)
         tokens = [fed[slots[k]][-1] if slots[k] is not None else pad_id for k in keep]
         logits = decoder.step(keep, tokens, empty, targets, [contexts[i] for i in newcomers], pad_id, plan.rows,
                               decode=plan.decode, width=plan.width if lockstep else None,
-                              batch=plan.batch if lockstep else admit, columns=plan.columns if lockstep else None)
-        slots = [slots[k] for k in keep] + [None] * (plan.rows - len(keep))
-        for j, i in zip(targets, newcomers):
-            slots[j] = i
+                              batch=plan.batch if lockstep else len(newcomers),
+                              columns=plan.columns if lockstep else None)
+        slots = after
     out = {}
     with agreement.guard():
         for i, (prompt, tokens, end) in enumerate(zip(prompts, fed, ends)):

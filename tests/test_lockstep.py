@@ -9,7 +9,7 @@ import torch
 
 from nano_eval.agreement import Agreement
 from nano_eval.engine import BatchingConfig, Engine
-from nano_eval.generate import _numbers, greedy_decode, next_rows, plan_step
+from nano_eval.generate import greedy_decode, plan_step, simulate
 from nano_eval.lockstep import generation_pools, padded_batch, plan_scoring
 from nano_eval.parallel import ParallelLayout
 from nano_eval.rows import Generation, last_position_row, make_batch, plain_row
@@ -30,41 +30,24 @@ def test_generation_pools_are_one_per_setting_in_one_order():
 
 
 def _simulate(ranks, budget: int, max_rows: int = 512, max_new: int = 8):
-    """Every rank's steps as greedy_decode plans them, all ranks at once, without a model: ranks [rank] (prompt
-    lengths, longest first; answer lengths). Returns (forwards [(kind, rows, columns)], per rank the prompts in
-    admission order, per rank the largest rows x longest live prompt + max_new, steps)."""
-    state = [{"contexts": [[0] * n for n in lengths], "fed": [[] for _ in lengths], "slots": [], "waiting": 0,
-              "order": [], "peak": 0} for lengths, _ in ranks]
-    forwards, steps = [], 0
-    while True:
-        for st, (_, answers) in zip(state, ranks):
-            for k, i in enumerate(st["slots"]):
-                if i is not None:
-                    st["fed"][i].append(7)
-                    if len(st["fed"][i]) == answers[i]:
-                        st["slots"][k] = None
-        numbers = [_numbers(st["contexts"], st["fed"], [i for i in st["slots"] if i is not None], st["waiting"],
-                            max_new, (budget, max_rows), True) for st in state]
-        if not any(n[0] or n[1] for n in numbers):
-            return forwards, [st["order"] for st in state], [st["peak"] for st in state], steps
-        plan = plan_step(numbers)
+    """nano_eval.generate.simulate over ranks [rank] (prompt lengths, longest first; answer lengths) -> (forwards
+    [(kind, rows, columns)], per rank the prompts in admission order, per rank the largest rows x longest live
+    prompt + max_new, steps)."""
+    forwards, orders, peaks, rows, steps = [], [[] for _ in ranks], [0] * len(ranks), 0, 0
+    prompts, answers = [lengths for lengths, _ in ranks], [a for _, a in ranks]
+    for plan, slots in simulate(prompts, answers, max_new, budget, max_rows):
         steps += 1
-        kept = {min(len(st["slots"]), plan.rows) for st in state}
-        assert len(kept) == 1  # every rank holds the same rows
         if plan.decode:
-            forwards.append(("decode", kept.pop(), 1))
+            forwards.append(("decode", min(rows, plan.rows), 1))
         if plan.batch:
             forwards.append(("prefill", plan.batch, plan.width))
-        for st, admit in zip(state, plan.admit):
-            keep, _, targets = next_rows(st["slots"], plan.rows, admit)
-            slots = [st["slots"][k] for k in keep] + [None] * (plan.rows - len(keep))
-            for j, i in zip(targets, range(st["waiting"], st["waiting"] + admit)):
-                slots[j] = i
-                st["order"].append(i)
-            st["slots"], st["waiting"] = slots, st["waiting"] + admit
-            live = [i for i in slots if i is not None]
-            if live:
-                st["peak"] = max(st["peak"], plan.rows * max(len(st["contexts"][i]) + max_new for i in live))
+        rows = plan.rows
+        for rank, rank_slots in enumerate(slots):
+            assert len(rank_slots) == rows  # every rank holds the same rows
+            orders[rank] += [i for i in rank_slots if i is not None and i not in orders[rank]]
+            live = [prompts[rank][i] + max_new for i in rank_slots if i is not None]
+            peaks[rank] = max(peaks[rank], rows * max(live, default=0))
+    return forwards, orders, peaks, steps
 
 
 def test_lockstep_steps_stay_within_the_budget():
@@ -98,11 +81,14 @@ def test_lockstep_steps_stay_within_the_budget():
 
 
 def test_continuous_batching_takes_fewer_steps_than_batches_with_a_long_tail():
-    """One rank, 64 prompts, answers of 2 tokens but every 8th of 32: fixed batches of 16 run 4 x 32 steps;
-    refilled slots run the long answers side by side."""
+    """One rank, 64 prompts, answers of 2 tokens but every 8th of 32, a budget of 16 rows: batches of 16 decoded
+    to their end (before continuous batching) run 4 prefills + 4 x 31 decoding steps = 128 forwards; refilled slots
+    run the long answers side by side: 45 forwards."""
     answers = [32 if i % 8 == 0 else 2 for i in range(64)]
-    _, _, _, steps = _simulate([([10] * 64, answers)], budget=16 * (10 + 32), max_new=32)
-    assert steps < 4 * 32 / 2, steps
+    forwards, _, _, _ = _simulate([([10] * 64, answers)], budget=16 * (10 + 32), max_new=32)
+    batches = sum(len(_simulate([([10] * 16, answers[b:b + 16])], budget=10**9, max_new=32)[0])
+                  for b in range(0, 64, 16))
+    assert (len(forwards), batches) == (45, 128)
 
 
 def test_padded_batch_keeps_scored_positions():
