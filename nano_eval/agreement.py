@@ -6,10 +6,10 @@ watchdog ends the process: one rank's bad document would kill the training run).
 work under `Agreement.guard()`: an exception is kept instead of raised, the rank stops contributing work but goes on
 meeting its peers, and every meeting point carries "did anyone fail?":
 
-- `meet(unfinished)`, before every forward of a loop (a scoring batch, a generation batch's prefill) and after every
-  decoding step: one all-reduce (MAX) of [unfinished, failed] over the ranks that run the same forwards: every rank
-  under lockstep (nano_eval.lockstep; it replaces lockstep's "is any rank unfinished?" all-reduce), else the model
-  replica (its TP group, then its PP group). A dense model without model parallelism has no such collective: its
+- `meet(unfinished)`, before every forward of a loop (a scoring batch, every generation step): one all-reduce (MAX)
+  of [unfinished, failed] over the ranks that run the same forwards: every rank under lockstep (nano_eval.lockstep;
+  it replaces lockstep's "is any rank unfinished?" all-reduce, and carries each DP rank's numbers for the next
+  generation step's shape), else the model replica (its TP group, then its PP group). A dense model without model parallelism has no such collective: its
   failing rank just leaves its loop, and the ranks meet at `settle`.
 - `settle()` (`raise_together`), at the end of a run, before its results are gathered (and around the command
   line's load, build and write): one all-reduce of the flag over every rank of the evaluation and, only when a rank
@@ -24,7 +24,7 @@ leaves the peers inside that collective: no evaluator can recover from that; the
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -42,6 +42,7 @@ class Agreement:
         self.layout, self.lockstep = layout, lockstep
         self.error: Exception | None = None  # this rank's first fault
         self.stopped = False  # a rank this one meets has failed: leave every loop
+        self.numbers: list[list[int]] = []  # every DP rank's numbers at the last `meet` (see there)
 
     @contextlib.contextmanager
     def guard(self) -> Iterator[None]:
@@ -52,19 +53,30 @@ class Agreement:
         except Exception as e:  # noqa: BLE001 -- raised on every rank by settle()
             self.error = self.error or e
 
-    def meet(self, unfinished: bool = True) -> bool:
+    def meet(self, unfinished: bool = True, numbers: Sequence[int] = ()) -> bool:
         """Go on? True while some rank this one meets is `unfinished` and none has failed; sets `stopped` when one
-        failed. No collective once stopped (every rank that meets this one learnt it at the same call)."""
+        failed. No collective once stopped (every rank that meets this one learnt it at the same call).
+
+        numbers: this rank's non-negative ints for the next step's plan (nano_eval.generate: continuous batching);
+        afterwards `self.numbers` [DP rank][i] holds every DP rank's under lockstep (carried by the same all-reduce:
+        each DP rank fills its own slice), else [this rank's] (the replica's ranks hold the same ones)."""
         if self.stopped:
             return False
         lay = self.layout
-        flags = torch.tensor([int(unfinished), int(self.error is not None)], dtype=torch.int32, device=lay.device)
+        ranks = lay.dp_size if self.lockstep else 1
+        flags = torch.zeros(2 + ranks * len(numbers), dtype=torch.int64)
+        flags[0], flags[1] = int(unfinished), int(self.error is not None)
+        own = 2 + (lay.dp_rank if self.lockstep else 0) * len(numbers)
+        flags[own:own + len(numbers)] = torch.tensor(list(numbers), dtype=torch.int64)
+        flags = flags.to(lay.device)
         if self.lockstep:
             all_reduce(flags, dist.ReduceOp.MAX, None, lay.world_size)
         else:
             all_reduce(flags, dist.ReduceOp.MAX, lay.tp_group, lay.tp_size)
             all_reduce(flags, dist.ReduceOp.MAX, lay.pp_group, lay.pp_size)
-        unfinished, self.stopped = flags.tolist()
+        values = flags.tolist()
+        unfinished, self.stopped = values[0], bool(values[1])
+        self.numbers = [values[2 + r * len(numbers):2 + (r + 1) * len(numbers)] for r in range(ranks)]
         return bool(unfinished) and not self.stopped
 
     def settle(self) -> None:

@@ -7,6 +7,7 @@ Text becomes tokens by one rule, lm-evaluation-harness's (nano_eval.tokenization
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
@@ -19,7 +20,7 @@ from nano_eval.backends.base import Backend
 from nano_eval.data import DynamicBatchDataset, GenDistributedSampler, GenerativeTaskDataset, LoglikelihoodDataset
 from nano_eval.errors import NanoEvalError
 from nano_eval.generate import greedy_decode
-from nano_eval.lockstep import Lockstep, generation_schedule, padded_batch, scoring_schedule
+from nano_eval.lockstep import generation_pools, padded_batch, scoring_schedule
 from nano_eval.packing import build_segments, pack_rows, share_prefixes
 from nano_eval.parallel import broadcast_from_output_stage, gather_dicts_over_dp
 from nano_eval.rows import Choice, Generation, Row, Segment, last_position_row, make_batch, plain_row, split_scores
@@ -184,27 +185,27 @@ class Engine:
 
     # ---- running -----------------------------------------------------------------------------------------------
 
-    def _my_batches(self, dataset: DynamicBatchDataset, desc: str, agreement: Agreement, schedule=None,
-                    max_padding: float = 1.0) -> Iterator[tuple[list[Row], Any]]:
-        """This data-parallel rank's shard of `dataset`, in token-budget batches, with a progress bar on rank 0.
+    def _my_batches(self, dataset: DynamicBatchDataset, agreement: Agreement, schedule=None,
+                    whole: bool = False, max_padding: float = 1.0) -> list[tuple[list[Row], Any]]:
+        """This data-parallel rank's shard of `dataset`, in token-budget batches whose rows are each at least
+        (1 - `max_padding`) x the longest (`whole`: cut by generation setting only, the pools of nano_eval.generate).
 
-        Each comes with None, or under lockstep with its agreed shape from `schedule(batches, layout, max_tokens)`
+        Each comes with None, or under lockstep with what `schedule(batches, layout, max_tokens)` agrees for it
         (nano_eval.lockstep: every rank runs the same forwards, each within the budget; a rank without rows for one
         gets `[]`: a dummy batch). A fault while cutting the batches is kept in `agreement` (this rank then has no
         batch but an empty one, or lockstep's dummies, and stops the ranks it meets at their first meeting)."""
         batches = []
         b = self.batching
+        cut = (sys.maxsize, sys.maxsize) if whole else (b.max_batch_tokens, b.max_batch_size)
         with agreement.guard():
             shard = list(GenDistributedSampler(dataset, self.layout.dp_size, self.layout.dp_rank))
             batches = [[dataset[i] for i in positions] for positions in
-                       dataset.splits_iterator(shard, b.max_batch_tokens, b.max_batch_size, max_padding)]
+                       dataset.splits_iterator(shard, *cut, 1.0 if whole else max_padding)]
         if agreement.error is not None and not self.lockstep:
             batches = [[]]  # one empty batch: its meeting stops the replica's other ranks at their first
-        planned = [(rows, None) for rows in batches]
         if self.lockstep:
-            planned = schedule(batches, self.layout, b.max_batch_tokens)
-        for rows, shape in tqdm(planned, desc=desc, disable=not self.progress, leave=False):
-            yield rows, shape
+            return schedule(batches, self.layout, b.max_batch_tokens)
+        return [(rows, None) for rows in batches]
 
     def _vocab_shard(self, logits: torch.Tensor) -> VocabShard:
         lay = self.layout
@@ -223,7 +224,8 @@ class Engine:
         local: dict = {}
         slotted: dict = {}  # single-token requests: {key: {slot: result}}
         agreement = self._agreement()
-        for rows, shape in self._my_batches(dataset, desc, agreement, scoring_schedule, self.batching.max_padding):
+        planned = self._my_batches(dataset, agreement, scoring_schedule, max_padding=self.batching.max_padding)
+        for rows, shape in tqdm(planned, desc=desc, disable=not self.progress, leave=False):
             batch = None
             with agreement.guard():
                 batch = make_batch(rows, self.pad_id, self.packs_rows) if rows else None
@@ -251,17 +253,20 @@ class Engine:
     def run_greedy(self, dataset: GenerativeTaskDataset, desc: str = "generate") -> dict:
         """{key: GenerationResult}: greedy continuation up to a stop sequence, any EOS id or max_new_tokens.
 
-        A fault outside the forwards on any rank (detokenising, a stop sequence) ends the run on every rank at the
-        next decoding step or batch (or at the end) with the same EvaluationFailed (nano_eval.agreement)."""
+        One pool per generation setting (nano_eval.generate: continuous batching within --batch-tokens). A fault
+        outside the forwards on any rank (detokenising, a stop sequence) ends the run on every rank at the next
+        decoding step (or at the end) with the same EvaluationFailed (nano_eval.agreement)."""
         local: dict = {}
         agreement = self._agreement()
-        for rows, shape in self._my_batches(dataset, desc, agreement, generation_schedule):
-            if not agreement.meet():  # every rank that runs this batch's prefill goes on, or none
-                break
-            sync = Lockstep.of(rows, shape, self.pad_id, self.layout) if shape is not None else None
-            local.update(greedy_decode(self.backend, rows, self.pad_id, self.tokens.eos_ids, self._vocab_shard,
-                                       shared_prefix_tokens=self.batching.shared_prefix_tokens, lockstep=sync,
-                                       agreement=agreement))
+        b = self.batching
+        pools = self._my_batches(dataset, agreement, generation_pools, whole=True)
+        with tqdm(total=sum(len(rows) for rows, _ in pools), desc=desc, disable=not self.progress,
+                  leave=False) as bar:
+            for rows, _ in pools:
+                local.update(greedy_decode(self.backend, rows, self.pad_id, self.tokens.eos_ids, self._vocab_shard,
+                                           shared_prefix_tokens=b.shared_prefix_tokens, lockstep=self.lockstep,
+                                           agreement=agreement, max_tokens=b.max_batch_tokens,
+                                           max_rows=b.max_batch_size, on_done=bar.update))
         agreement.settle()
         return gather_dicts_over_dp(broadcast_from_output_stage(local, self.layout), self.layout)
 

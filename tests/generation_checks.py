@@ -5,7 +5,8 @@ tokens each path puts through the model's embedding."""
 from __future__ import annotations
 
 GEN_TOKENS = 24
-GEN_BATCH_TOKENS = 400  # generate()'s --batch-tokens
+GEN_BATCH_TOKENS = 100  # generate()'s --batch-tokens: 2-3 rows of prompt + GEN_TOKENS, so finished rows' slots are
+# refilled (continuous batching) in every layout
 GEN_PROMPTS = [f"Question: {i} plus {3 * i}\nAnswer:" + " so" * (i % 5) for i in range(6)]  # mixed lengths
 
 
@@ -122,7 +123,8 @@ def cached_and_rerun(backend, embedding) -> dict:
 def check_cost(gens: list[dict], row_multiple: int = 1) -> tuple[int, int]:
     """Assert the decoder's token count grows with prompt + answer and the re-run path's with their product;
     `gens`: cached_and_rerun of every rank; row_multiple: the decoder tops its batch up to a multiple of this
-    many rows (the Megatron decoder under an interleaved pipeline). Each rank's requests fit one batch here.
+    many rows (the Megatron decoder under an interleaved pipeline). Each prompt runs once (its refill's prefill
+    left-padded to at most the longest prompt), then one token per step, plus one filler token in the slot it refills.
     Returns (decoder tokens, re-run tokens) summed over DP."""
     gens = [g for g in gens if g["first_stage"] and g["tp_rank"] == 0]  # TP ranks embed the same tokens
     cached, rerun = sum(g["cached_tokens"] for g in gens), sum(g["rerun_tokens"] for g in gens)

@@ -70,8 +70,8 @@ class ForwardCounter:
     calls (scoring batches, and the re-run generation path's steps), the dummy ones (all padding) and the seconds
     spent in them; and the tokens lockstep padding adds to the loglikelihood batches (instrumentation of
     nano_eval.engine's call of nano_eval.lockstep.padded_batch); `over`: every forward's batch and every KV cache
-    a prefill sizes (rows x (prompt width + max new tokens)) of more than one row and more than `budget` positions
-    (set it to the --batch-tokens of what runs next)."""
+    the decoder sizes or resizes (rows x columns: a pool's prompt width + max new tokens, a refill's prompt width) of
+    more than one row and more than `budget` positions (set it to the --batch-tokens of what runs next)."""
 
     def __init__(self, backend):
         import nano_eval.engine as engine
@@ -85,14 +85,24 @@ class ForwardCounter:
         def counted_decoder(*args, **kwargs):
             decoder = make_decoder(*args, **kwargs)
             if decoder is not None:
-                prefill = decoder.prefill
+                make = decoder.make_cache
 
-                def counted_prefill(prompts, pad_id, max_new_tokens, width=None):
-                    columns = max(max(map(len, prompts)), width or 0) + max_new_tokens
-                    self._check(len(prompts), columns)
-                    return prefill(prompts, pad_id, max_new_tokens, width)
+                def checked_cache():  # every cache the decoder sizes: rows x columns within the budget
+                    cache = make()
+                    allocate, select = cache.allocate, cache.select_rows
 
-                decoder.prefill = counted_prefill
+                    def checked_allocate(rows, columns):
+                        self._check(rows, columns)
+                        return allocate(rows, columns)
+
+                    def checked_select(index, start=0, columns=None):
+                        select(index, start, columns)
+                        self._check(len(index), cache.context.max_sequence_length)
+
+                    cache.allocate, cache.select_rows = checked_allocate, checked_select
+                    return cache
+
+                decoder.make_cache = checked_cache
             return decoder
 
         def counted_run(*args, **kwargs):

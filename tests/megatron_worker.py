@@ -106,18 +106,22 @@ def generation_checks(backend, chunks) -> dict:
     from nano_eval.compat.megatron import unwrap
     from tests.generation_checks import cached_and_rerun
 
-    sizes, allocate = [0], StaticCache.allocate
+    sizes, allocate, write, refills = [0], StaticCache.allocate, StaticCache.write_rows, [0]
 
     def recorded(self, *args):
         allocate(self, *args)
         sizes.append(self.context.max_batch_size * self.context.max_sequence_length)
 
-    StaticCache.allocate = recorded
+    def counted(self, slots, source, *args, **kwargs):  # prompts copied into freed slots (continuous batching)
+        refills[0] += len(slots) if source is not None else 0
+        return write(self, slots, source, *args, **kwargs)
+
+    StaticCache.allocate, StaticCache.write_rows = recorded, counted
     try:
         out = cached_and_rerun(backend, getattr(unwrap(chunks[0]), "embedding", None))
     finally:
-        StaticCache.allocate = allocate
-    return {**out, "cache_rows_x_columns": max(sizes)}
+        StaticCache.allocate, StaticCache.write_rows = allocate, write
+    return {**out, "cache_rows_x_columns": max(sizes), "refills": refills[0]}
 
 
 BF16_TASKS = "demo|arithmetic|0,demo|arithmetic_ppl|0"

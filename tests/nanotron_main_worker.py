@@ -405,13 +405,15 @@ def cache_vs_scoring(ckpt_dirs: dict, layouts: list) -> dict:
     (nano_eval.backends.nanotron_qwen2_cache) driven through the KVCache protocol by hand, against the backend's
     scoring forward (the re-run path's forward) on the same tokens. Prompts of 3, 9, 6 and 1 tokens, left-padded;
     three one-token steps; rows selected (one dropped, one repeated, the order changed); then a 3-column extend
-    with padding in the middle for some rows (as after a shared prefix). Returns {(variant, layout):
+    with padding in the middle for some rows (as after a shared prefix); a new prompt prefilled in a cache of its own
+    and written into row 1 (continuous batching); the leading columns no row holds dropped. Returns {(variant, layout):
     {"max_diff": max |logit diff| over every call, "calls": how many logits were compared, "reason": the cache's
     refusal (None)}} on lm_head's stage; {(variant, layout): {"reason": ...}} elsewhere."""
     import torch
 
     from nano_eval.backends.nanotron_qwen2_cache import Qwen2Cache, unsupported_reason
     from nano_eval.checkpoints.nanotron import load_native
+    from nano_eval.decoder import first_token_columns
     from nano_eval.rows import last_position_row, left_padded, make_batch
 
     g = torch.Generator().manual_seed(5)
@@ -461,6 +463,25 @@ def cache_vs_scoring(ckpt_dirs: dict, layouts: list) -> dict:
             seqs = [s + t for s, t in zip(seqs, new)]
             real = torch.cat([real, torch.ones(len(seqs), 1, dtype=torch.bool)], 1)
             check(cache.run(torch.tensor(new), real))
+            # continuous batching: a new prompt prefilled in a cache of its own, copied into row 1 right-aligned
+            source, fresh = Qwen2Cache(backend), draw(5)
+            source.allocate(1, 5)
+            source.run(*left_padded([fresh], 0))
+            cache.write_rows(torch.tensor([1]), source)
+            seqs[1], real[1] = fresh, False
+            real[1, -5:] = True
+            new = [draw(1) for _ in seqs]
+            seqs = [s + t for s, t in zip(seqs, new)]
+            real = torch.cat([real, torch.ones(len(seqs), 1, dtype=torch.bool)], 1)
+            check(cache.run(torch.tensor(new), real))
+            start = int(first_token_columns(real).min())  # the leading columns no row holds a token in: dropped
+            assert start > 0
+            cache.select_rows(torch.arange(len(seqs)), start=start, columns=cache.columns - start + 1)
+            real = real[:, start:]
+            new = [draw(1) for _ in seqs]
+            seqs = [s + t for s, t in zip(seqs, new)]
+            real = torch.cat([real, torch.ones(len(seqs), 1, dtype=torch.bool)], 1)
+            check(cache.run(torch.tensor(new), real))
             if diffs:
                 result |= {"max_diff": max(diffs), "calls": len(diffs)}
     return out
@@ -479,19 +500,20 @@ def generation_vs_rerun(ckpt_dirs: dict, layouts: list) -> dict:
     from nano_eval.tasks.requests import GreedyUntilRequest
     from tests.generation_checks import Rerunning, cached_and_rerun
 
-    shared, prefill = [0], CacheDecoder.prefill
+    shared, prefill = [0], CacheDecoder._prefill
 
     def recorded(self, *args):
-        logits = prefill(self, *args)
+        out = prefill(self, *args)
         shared.append(self.shared)
-        return logits
+        return out
 
     prompts = ["Question: what is the sum of all the numbers from one to ten? " + tail
                for tail in ("Answer:", "Think, then answer:", "A")]
     requests = [GreedyUntilRequest("s", i, 0, p, stop_sequence=[], generation_size=8) for i, p in enumerate(prompts)]
 
     def generate_shared(backend):
-        engine = Engine(backend, BatchingConfig(max_batch_tokens=400, shared_prefix_tokens=8), progress=False)
+        engine = Engine(backend, BatchingConfig(max_batch_tokens=400, max_batch_size=2, shared_prefix_tokens=8),
+                        progress=False)
         results = engine.run_greedy(engine.prepare_greedy(requests))
         return {k: r.tokens for k, r in sorted(results.items())}
 
@@ -502,11 +524,11 @@ def generation_vs_rerun(ckpt_dirs: dict, layouts: list) -> dict:
             block = backend.forward_module.token_position_embeddings  # its module on the input stage only
             result = out[(variant, name)] = cached_and_rerun(backend, getattr(block, "pp_block", None))
             shared[:] = [0]
-            CacheDecoder.prefill = recorded
+            CacheDecoder._prefill = recorded
             try:
                 with evaluation_mode(backend.module):
                     cached, rerun = generate_shared(backend), generate_shared(Rerunning(backend))
                 result["shared"] = {"cached": cached, "rerun": rerun, "shared_prefix": max(shared)}
             finally:
-                CacheDecoder.prefill = prefill
+                CacheDecoder._prefill = prefill
     return out

@@ -153,20 +153,24 @@ def generation_checks(backend) -> dict:
     from nano_eval.backends.nanotron_cache import StoreCache
     from tests.generation_checks import cached_and_rerun
 
-    sizes, run = [0], StoreCache.run
+    sizes, run, write, refills = [0], StoreCache.run, StoreCache.write_rows, [0]
 
     def recorded(self, ids, real):  # after the prefill (the first run of a batch): the caches' rows x columns
         logits = run(self, ids, real)
         sizes.extend(state["key"].shape[0] * state["key"].shape[1] for state in self.store.values() if "key" in state)
         return logits
 
+    def counted(self, slots, source, *args, **kwargs):  # prompts copied into freed slots (continuous batching)
+        refills[0] += len(slots) if source is not None else 0
+        return write(self, slots, source, *args, **kwargs)
+
     block = backend.forward_module.token_position_embeddings  # a PipelineBlock: its module on the input stage only
-    StoreCache.run = recorded
+    StoreCache.run, StoreCache.write_rows = recorded, counted
     try:
         out = cached_and_rerun(backend, getattr(block, "pp_block", None))
     finally:
-        StoreCache.run = run
-    return {**out, "cache_rows_x_columns": max(sizes)}
+        StoreCache.run, StoreCache.write_rows = run, write
+    return {**out, "cache_rows_x_columns": max(sizes), "refills": refills[0]}
 
 
 def _logits_width(backend) -> int | None:

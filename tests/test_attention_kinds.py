@@ -86,3 +86,42 @@ def test_generations_and_scores_equal_each_request_alone(backend):
     assert together == alone
     worst = max(abs(scores[k].logprob - scores_alone[k].logprob) for k in scores_alone)
     assert worst < 1e-4, f"log-probs of packed rows differ by {worst:.2e}"
+
+
+def test_refilled_slots_and_trimmed_columns_equal_each_prompt_alone(backend):
+    """Continuous batching on sliding-window caches: a finished row's slot takes a new prompt (copied in, left
+    padding in front), the full cache drops the leading columns no live row holds, and every row's logits stay its
+    own sequence's alone (transformers' sliding layers keep only the window's last columns: rows are written and
+    trimmed within them)."""
+    tok = backend.tokenizer
+    prompts = _prompts(tok, 3)
+    newcomer = tok("Question: 7 plus 1\nAnswer:")["input_ids"]
+    decoder = backend.incremental_decoder()
+    assert decoder.refills
+
+    def alone(seq):
+        return backend.model(torch.tensor([seq])).logits[0, -1]
+
+    with torch.no_grad():
+        decoder.prefill(prompts[:2], 0, 4)
+        seqs = [list(prompts[0]), list(prompts[1])]
+        for t in range(2):
+            step = decoder.extend([0, 1], [20 + t, 30 + t])
+            seqs[0].append(20 + t)
+            seqs[1].append(30 + t)
+        step = decoder.extend([0, 1], [22, 0], empty=[1])  # row 1 finished: its slot takes the newcomer
+        seqs[0].append(22)
+        added = decoder.admit([1], [newcomer], 0)
+        torch.testing.assert_close(added[0], alone(newcomer), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(step[0], alone(seqs[0]), atol=1e-4, rtol=1e-4)
+        seqs[1] = list(newcomer)
+        columns = decoder.real.shape[1]
+        for t in range(4):  # row 0 ends after its 4th token; the newcomer goes on until the cache must be trimmed
+            keep, empty = ([0, 1], []) if t == 0 else ([0, 1], [0])
+            step = decoder.extend(keep, [23 if t == 0 else 0, 40 + t], empty=empty)
+            seqs[1].append(40 + t)
+            if t == 0:
+                seqs[0].append(23)
+                torch.testing.assert_close(step[0], alone(seqs[0]), atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(step[1], alone(seqs[1]), atol=1e-4, rtol=1e-4)
+        assert decoder.real.shape[1] < columns + 4  # leading columns were dropped

@@ -200,3 +200,36 @@ def test_bf16_scores_within_tolerance_of_fp32_and_generations_equal_the_rerun_pa
     plain = _generate(Recomputing(bf16), requests, max_batch_tokens=10_000)
     assert {k: (r.tokens, r.text) for k, r in cached.items()} == {k: (r.tokens, r.text) for k, r in plain.items()}
     assert len({len(r.tokens) for r in cached.values()}) > 1
+
+
+def test_refilled_slots_give_the_per_batch_generations_and_reuse_the_shared_prefix(toy_backend):
+    """Continuous batching (2 rows for 10 few-shot prompts: every later prompt refills a freed slot) gives the
+    tokens and texts of per-batch decoding (each --batch-tokens batch decoded to its end, finished rows leaving)
+    and of the re-run path; the few-shot prefix goes through the model once for the whole pool (its cache is copied
+    into each refill), not once per refill."""
+    from nano_eval.generate import greedy_decode
+
+    requests = _few_shot_requests(10, 24, ("\n\n",))
+    embedded = []
+    hook = toy_backend.model.get_input_embeddings().register_forward_hook(
+        lambda m, args, out: embedded.append(tuple(args[0].shape)))
+    engine = Engine(toy_backend, BatchingConfig(max_batch_size=2), progress=False)
+    try:
+        pooled = engine.run_greedy(engine.prepare_greedy(requests))
+        pooled_shapes, embedded[:] = list(embedded), []
+        dataset = engine.prepare_greedy(requests)
+        batched = {}
+        for positions in dataset.splits_iterator(range(len(dataset)), 10_000, 2):
+            batched.update(greedy_decode(toy_backend, [dataset[i] for i in positions], engine.pad_id,
+                                         engine.tokens.eos_ids, engine._vocab_shard, shared_prefix_tokens=32))
+    finally:
+        hook.remove()
+    plain = _generate(Recomputing(toy_backend), requests, max_batch_size=3)
+    assert {k: (r.tokens, r.text) for k, r in pooled.items()} == {k: (r.tokens, r.text) for k, r in batched.items()}
+    assert {k: (r.tokens, r.text) for k, r in pooled.items()} == {k: (r.tokens, r.text) for k, r in plain.items()}
+    assert len({len(r.tokens) for r in pooled.values()}) > 1  # rows finish apart: slots are refilled one by one
+    prompts = [r.tokenized_context for r in requests]
+    common = next(i for i in range(len(prompts[0])) if len({tuple(p[: i + 1]) for p in prompts}) > 1)
+    prefix_runs = [shape for shape in pooled_shapes if shape == (1, common)]
+    assert len(prefix_runs) == 1  # the prefix once per pool; every refill copies its cache
+    assert sum(r * c for r, c in pooled_shapes) <= common + len(prompts) * (max(map(len, prompts)) - common + 25)

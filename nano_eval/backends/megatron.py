@@ -117,7 +117,7 @@ class MegatronModel:
         if any_rank_true(reason is not None, lay.pp_group, lay.pp_size, lay.device):
             note_rerun_generation(self, reason or "a model chunk on another pipeline stage")
             return None
-        return CacheDecoder(StaticCache(self), shared_prefix_tokens)
+        return CacheDecoder(lambda: StaticCache(self), shared_prefix_tokens)
 
     @torch.no_grad()
     def run(self, inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor], rows: torch.Tensor, cols: torch.Tensor,

@@ -97,7 +97,9 @@ class StaticCache:
     Every rank of the model replica calls it with the same arguments; logits come back on the last pipeline stage
     only (None elsewhere). Each rank's cache holds its own layers' keys and values for its TP shard of the query
     groups. Rows are left-padded (the prompts first, then one token per row per call: no shared prefix), so a row's
-    padding is the columns before its first token.
+    padding is the columns before its first token; a refilled slot's too (its prompt copied in right-aligned), and
+    megatron-core keeps keys before RoPE, rotating every cached column at each step by our per-row table, so a
+    row's positions follow its padding wherever its tokens were copied or trimmed to.
     """
 
     multi_token_extend = False  # the per-row RoPE positions below assume left padding only
@@ -117,12 +119,51 @@ class StaticCache:
             raise CacheContractError("its StaticInferenceContext keeps the last-column switch where nano_eval does "
                                      "not look")
 
-    def select_rows(self, index: torch.Tensor) -> None:
+    def select_rows(self, index: torch.Tensor, start: int = 0, columns: int | None = None) -> None:
+        """Rows `index` of every layer's keys / values [capacity, cache rows, groups/tp, head_dim], columns from
+        `start` on moved to the front; `columns`: the new capacity (the RoPE table follows it)."""
+        context = self.context
         index = self._filled(index.to(self.backend.device))
-        memory = self.context.key_value_memory_dict
-        for layer, (keys, values) in memory.items():  # [capacity, cache rows, groups/tp, head_dim]
-            memory[layer] = (keys.index_select(1, index.to(keys.device)), values.index_select(1, index.to(values.device)))
-        self.context.max_batch_size = len(index)
+        end = context.sequence_len_offset
+        capacity = columns or context.max_sequence_length
+        memory = context.key_value_memory_dict
+        for layer, pair in memory.items():
+            moved = []
+            for t in pair:
+                new = t.new_zeros((capacity, len(index), *t.shape[2:]))
+                new[: end - start] = t[start:end].index_select(1, index.to(t.device))
+                moved.append(new)
+            memory[layer] = tuple(moved)
+        context.max_batch_size, context.max_sequence_length = len(index), capacity
+        context.sequence_len_offset = end - start
+
+    def write_rows(self, slots: torch.Tensor, source: StaticCache | None, rows: torch.Tensor | None = None,
+                   columns: int | None = None) -> None:
+        """Rows `slots` become `source`'s rows `rows`: its last `columns` columns of every layer's keys / values
+        into this cache's last ones (grown in front when it holds fewer), the slots' columns before them zero.
+        source None: nothing to do (the next run's `real` makes the slots' old columns padding)."""
+        if source is None:
+            return
+        device, context, theirs = self.backend.device, self.context, source.context
+        slots = slots.to(device)
+        rows = (torch.arange(len(slots)) if rows is None else rows).to(device)
+        n = theirs.sequence_len_offset if columns is None else columns
+        end = context.sequence_len_offset
+        grow = max(0, n - end)
+        memory = context.key_value_memory_dict
+        for layer, pair in theirs.key_value_memory_dict.items():
+            mine = memory.get(layer)
+            if mine is None:  # a cache just allocated
+                mine = tuple(t.new_zeros((context.max_sequence_length, context.max_batch_size, *t.shape[2:]))
+                             for t in pair)
+            if grow:
+                mine = tuple(torch.cat([t.new_zeros((grow, *t.shape[1:])), t[:-grow]]) for t in mine)
+            for t, other in zip(mine, pair):
+                t[: end + grow - n, slots] = 0
+                t[end + grow - n: end + grow, slots] = other[theirs.sequence_len_offset - n: theirs.sequence_len_offset,
+                                                             rows.to(other.device)].to(t.device)
+            memory[layer] = mine
+        context.sequence_len_offset = end + grow
 
     def _filled(self, rows: torch.Tensor) -> torch.Tensor:
         """[b] -> [b'] with b' the next multiple of self.groups: filler rows repeat the first row (their logits are

@@ -164,13 +164,13 @@ class NanotronModel:
         if self.family == QWEN2:
             reason = qwen2_cache_problem(self)
             if reason is None:
-                return CacheDecoder(Qwen2Cache(self), shared_prefix_tokens)
+                return CacheDecoder(lambda: Qwen2Cache(self), shared_prefix_tokens)
         else:
             from nano_eval.backends.nanotron_cache import StoreCache, unsupported_reason
 
             reason = unsupported_reason(self)
             if reason is None:
-                return CacheDecoder(StoreCache(self), shared_prefix_tokens)
+                return CacheDecoder(lambda: StoreCache(self), shared_prefix_tokens)
         note_rerun_generation(self, reason)
         return None
 

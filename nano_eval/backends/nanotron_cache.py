@@ -32,6 +32,8 @@ import torch
 
 from nano_eval.compat.nanotron import four_value_unpad_input
 
+_COLUMNS = ("key", "value")  # stored tensors [rows, room, kv_heads/tp, head_dim]; the others are [rows]
+
 
 def unsupported_reason(backend) -> str | None:
     """Why `backend` (a NanotronModel) cannot decode from nanotron's KV cache; None when it can. Depends only on
@@ -56,7 +58,9 @@ class StoreCache:
 
     Every rank of the model replica calls it with the same arguments; logits [b, V/tp] come back on the last
     pipeline stage only (None elsewhere). Each rank's store holds its own layers' caches. nanotron's prefill takes
-    the left-padded prompts with their mask; every later call appends one token per row (no shared prefix).
+    the left-padded prompts with their mask; every later call appends one token per row (no shared prefix). The
+    store keeps each row's keys and values from its column 0 with its own length (flash-attn's `cache_seqlens`), so
+    a refill copies a row as it is, and an empty row is a position offset of -1.
     """
 
     multi_token_extend = False  # nanotron's decoding path takes one new token per row once the cache is filled
@@ -71,17 +75,53 @@ class StoreCache:
         self.attentions = [m for m in backend.forward_module.modules() if isinstance(m, CausalSelfAttention)
                            and hasattr(m, "prefill_kv_len") and hasattr(m, "rotary_embedding")]
         self.columns = 0  # cache columns of the current batch (longest prompt + max_new_tokens)
+        self.rows = 0
         self.tables: dict[int, torch.Tensor] = {}  # RoPE table of `columns` positions, per attention layer
 
     def allocate(self, rows: int, columns: int) -> None:
-        self.store, self.columns, self.tables = self.store_class(), columns, {}
+        self.store, self.columns, self.tables, self.rows = self.store_class(), columns, {}, rows
 
-    def select_rows(self, index: torch.Tensor) -> None:
+    def select_rows(self, index: torch.Tensor, start: int = 0, columns: int | None = None) -> None:
+        """Rows `index` of every stored tensor (batch is their first dimension); `start` moves only padding, which
+        the store does not hold (each row's tokens start at its column 0); `columns`: the new room per row (key /
+        value caches cut or grown with zeros, the RoPE table rebuilt for it)."""
         index = index.to(self.backend.device)
         for state in self.store.values():  # per module: key/value caches, position offsets, past lengths
             for name, value in state.items():
                 if isinstance(value, torch.Tensor):
-                    state[name] = value.index_select(0, index.to(value.device))
+                    value = value.index_select(0, index.to(value.device))
+                    state[name] = _room(value, columns) if name in _COLUMNS and columns else value
+        self.rows = len(index)
+        if columns and columns != self.columns:
+            self.columns, self.tables = columns, {}
+
+    def write_rows(self, slots: torch.Tensor, source: StoreCache | None, rows: torch.Tensor | None = None,
+                   columns: int | None = None) -> None:
+        """Rows `slots` become `source`'s rows `rows` as nanotron stores them (keys / values from column 0, the
+        row's position offset and length); source None: the slots become empty (position offset -1, so the next
+        token is at position 0, written into column 0). `columns` is not needed: rows are not column-aligned."""
+        device = self.backend.device
+        slots = slots.to(device)
+        if source is None:
+            for state in self.store.values():
+                if "position_offsets" in state:
+                    state["position_offsets"][slots] = -1
+                if "past_length" in state:
+                    state["past_length"][slots] = 0
+            return
+        rows = (torch.arange(len(slots)) if rows is None else rows).to(device)
+        for module, theirs in source.store.items():
+            mine = self.store[module]
+            for name, value in theirs.items():
+                if not isinstance(value, torch.Tensor):
+                    continue
+                if name not in mine:  # a cache just allocated: nanotron's layout, for this cache's rows and room
+                    shape = (self.rows, self.columns, *value.shape[2:]) if name in _COLUMNS else (self.rows,)
+                    mine[name] = value.new_zeros(shape)
+                copied = value.index_select(0, rows)
+                if name in _COLUMNS:
+                    copied = _room(copied, mine[name].shape[1])
+                mine[name][slots] = copied
 
     @torch.no_grad()
     def run(self, ids: torch.Tensor, real: torch.Tensor) -> torch.Tensor | None:
@@ -132,3 +172,11 @@ class StoreCache:
                     rotary._buffers.pop("freqs_cis", None)
                 else:
                     rotary._buffers["freqs_cis"] = table
+
+
+def _room(t: torch.Tensor, columns: int) -> torch.Tensor:
+    """A stored key / value cache [rows, room, ...] with `columns` of room: cut (the columns past every row's
+    tokens) or grown with zeros."""
+    if t.shape[1] >= columns:
+        return t[:, :columns].contiguous()
+    return torch.cat([t, t.new_zeros((t.shape[0], columns - t.shape[1], *t.shape[2:]))], dim=1)

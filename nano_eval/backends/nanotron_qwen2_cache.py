@@ -79,19 +79,49 @@ class Qwen2Cache:
                        + [("norm", model.final_layer_norm, None), ("head", model.lm_head, None)])
         self.keys: dict[int, torch.Tensor] = {}  # layer index -> [rows, columns, kv_heads/tp, head_dim]
         self.values: dict[int, torch.Tensor] = {}
-        self.length = self.columns = 0
+        self.length = self.columns = self.rows = 0
 
     def allocate(self, rows: int, columns: int) -> None:
-        """An empty cache of up to `columns` columns; the tensors are made by the first `run`, for its rows (the
-        driver may prefill a shared prefix as one row and copy it to `rows` rows with select_rows)."""
-        self.length, self.columns = 0, columns
+        """An empty cache of up to `columns` columns; the tensors are made by the first `run` (or `write_rows`), for
+        its rows (the driver may prefill a shared prefix as one row and copy it to `rows` rows)."""
+        self.length, self.columns, self.rows = 0, columns, rows
         self.keys, self.values = {}, {}
 
-    def select_rows(self, index: torch.Tensor) -> None:
-        """Keep rows `index` (in that order, repeats allowed) of every cache."""
+    def select_rows(self, index: torch.Tensor, start: int = 0, columns: int | None = None) -> None:
+        """Keep rows `index` (in that order, repeats allowed) of every cache, columns from `start` on moved to the
+        front; `columns`: the new room per row."""
+        self.columns = columns or self.columns
         for cache in (self.keys, self.values):
             for i, tensor in cache.items():
-                cache[i] = tensor.index_select(0, index.to(tensor.device))
+                kept = tensor.index_select(0, index.to(tensor.device))[:, start:self.length]
+                cache[i] = kept.new_zeros((len(index), self.columns, *kept.shape[2:]))
+                cache[i][:, : kept.shape[1]] = kept
+        self.length -= start
+        self.rows = len(index)
+
+    def write_rows(self, slots: torch.Tensor, source: Qwen2Cache | None, rows: torch.Tensor | None = None,
+                   columns: int | None = None) -> None:
+        """Rows `slots` become `source`'s rows `rows`: its last `columns` columns into this cache's last ones
+        (grown in front when it holds fewer), the slots' earlier columns zero. Keys are stored after RoPE at each
+        token's own position (real tokens before it), which does not change with the column. source None: nothing to
+        do (the next run's `real` makes the slots' old columns padding)."""
+        if source is None:
+            return
+        if not self.keys:
+            self._make(self.rows)
+        n = source.length if columns is None else columns
+        grow = max(0, n - self.length)
+        rows = torch.arange(len(slots)) if rows is None else rows
+        for mine, theirs in ((self.keys, source.keys), (self.values, source.values)):
+            for i, tensor in mine.items():
+                if grow:
+                    tensor[:, grow:grow + self.length] = tensor[:, : self.length].clone()
+                    tensor[:, :grow] = 0
+                end = self.length + grow
+                at = slots.to(tensor.device)
+                tensor[at, : end - n] = 0
+                tensor[at, end - n:end] = theirs[i][rows.to(tensor.device), source.length - n:source.length]
+        self.length += grow
 
     @torch.no_grad()
     def run(self, ids: torch.Tensor, real: torch.Tensor) -> torch.Tensor | None:

@@ -57,7 +57,7 @@ class TorchtitanCache:
     """torchtitan model parts behind the KVCache protocol (nano_eval.decoder): one batch of rows' keys and values
     for this rank's layers (its pipeline stages, its TP share of the heads).
 
-    Every rank of the model replica calls allocate / select_rows / run with the same arguments; `run` returns the
+    Every rank of the model replica calls allocate / select_rows / write_rows / run with the same arguments; `run` returns the
     vocab-parallel logits [b, V/tp] of the last new column on the last pipeline stage, None elsewhere."""
 
     multi_token_extend = True  # any number of new columns onto a non-empty cache (a shared prompt prefix)
@@ -67,20 +67,60 @@ class TorchtitanCache:
         self.keys: dict[str, torch.Tensor] = {}  # layer -> [rows, columns, kv heads/tp, head_dim]
         self.values: dict[str, torch.Tensor] = {}
         self.length = self.columns = 0  # columns written so far; capacity
+        self.allocated = 0  # rows of every layer's tensors
         self.rows = self.new = 0  # rows and new columns of the run in flight
         self.mask: torch.Tensor | None = None  # [b, 1, new, length + new] bool: which columns each new one sees
 
     def allocate(self, rows: int, columns: int) -> None:
-        """An empty cache of up to `columns` columns; each layer's tensors are made by the first `run`, for its
-        rows (the driver may prefill a shared prefix as one row and copy it to `rows` rows with select_rows)."""
-        self.length, self.columns = 0, columns
+        """An empty cache of `rows` rows and up to `columns` columns; each layer's tensors are made by the first
+        `run` (or `write_rows`) that reaches it."""
+        self.length, self.columns, self.allocated = 0, columns, rows
         self.keys, self.values = {}, {}
 
-    def select_rows(self, index: torch.Tensor) -> None:
-        """Keep rows `index` (in that order, repeats allowed) of every layer's cache."""
+    def select_rows(self, index: torch.Tensor, start: int = 0, columns: int | None = None) -> None:
+        """Keep rows `index` (in that order, repeats allowed) of every layer's cache, and their columns from `start`
+        on, moved to the front; `columns`: the room per row from now on. Keys are cached after RoPE at positions
+        counted over real tokens, so moving columns changes no row's positions."""
+        capacity = columns or self.columns
+        kept = self.length - start
+        if kept > capacity:
+            raise RuntimeError(f"torchtitan KV cache: {kept} columns kept, room for {capacity}")
         for cache in (self.keys, self.values):
             for layer, tensor in cache.items():
-                cache[layer] = tensor.index_select(0, index.to(tensor.device))
+                moved = tensor.new_zeros((len(index), capacity, *tensor.shape[2:]))
+                moved[:, :kept] = tensor.index_select(0, index.to(tensor.device))[:, start:self.length]
+                cache[layer] = moved
+        self.length, self.columns, self.allocated = kept, capacity, len(index)
+
+    def write_rows(self, slots: torch.Tensor, source: "TorchtitanCache | None", rows: torch.Tensor | None = None,
+                   columns: int | None = None) -> None:
+        """Rows `slots` become `source`'s rows `rows` (default 0..k-1): its last `columns` columns (default: all it
+        holds) into this cache's last ones, every row first shifted right by padding columns when this cache holds
+        fewer; the slots' columns before them zero. source None: nothing to do (the next run's `real` says the
+        slots hold no tokens)."""
+        if source is None:
+            return
+        n = source.length if columns is None else columns
+        grow = max(0, n - self.length)
+        length = self.length + grow
+        if length > self.columns:
+            raise RuntimeError(f"torchtitan KV cache of {self.columns} columns holding {self.length}: {n} columns "
+                               "written")
+        rows = torch.arange(len(slots)) if rows is None else rows
+        for mine, theirs in ((self.keys, source.keys), (self.values, source.values)):
+            for layer, other in theirs.items():
+                tensor = mine.get(layer)
+                if tensor is None:
+                    tensor = other.new_zeros((self.allocated, self.columns, *other.shape[2:]))
+                elif grow:
+                    shifted = torch.zeros_like(tensor)
+                    shifted[:, grow:length] = tensor[:, :self.length]
+                    tensor = shifted
+                at = slots.to(tensor.device)
+                tensor[at, :length - n] = 0
+                tensor[at, length - n:length] = other[rows.to(other.device), source.length - n:source.length]
+                mine[layer] = tensor
+        self.length = length
 
     @torch.no_grad()
     def run(self, ids: torch.Tensor, real: torch.Tensor) -> torch.Tensor | None:
@@ -108,7 +148,7 @@ class TorchtitanCache:
                                           torch.zeros_like(last), last, masks=False)
         finally:
             self.mask = None
-        self.length = total
+        self.length, self.allocated = total, b
         return logits
 
     def attend(self, layer: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import inspect
 
 import torch
-from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
 from nano_eval.backends.base import Batch
 from nano_eval.errors import NanoEvalError
@@ -47,6 +47,7 @@ class TransformersModel:
         full_causal = self.attention_kinds <= {"full_attention"}
         self.supports_packed_rows = self._attn in ("sdpa", "eager") and full_causal
         self.shares_prompt_prefix = full_causal
+        self.cache_writes_rows = _writable(_model_cache(model))  # continuous batching (TransformersCache)
 
     @torch.no_grad()
     def forward(self, batch: Batch) -> torch.Tensor:
@@ -65,10 +66,10 @@ class TransformersModel:
         return self.model.get_output_embeddings()(scored)[inverse]
 
     def incremental_decoder(self, shared_prefix_tokens: int = 0) -> CacheDecoder:
-        """Greedy generation from a KV cache (nano_eval.decoder): each batch's prompts run once, then one token per
-        row per step; prompts starting with the same `shared_prefix_tokens` or more tokens run that prefix once
-        (0: never)."""
-        return CacheDecoder(TransformersCache(self), shared_prefix_tokens)
+        """Greedy generation from a KV cache (nano_eval.decoder): each prompt runs once, then one token per row per
+        step, finished rows' slots refilled; prompts starting with the same `shared_prefix_tokens` or more tokens
+        run that prefix once (0: never)."""
+        return CacheDecoder(lambda: TransformersCache(self), shared_prefix_tokens)
 
     def _tree_mask(self, batch: Batch) -> torch.Tensor:
         """4D mask from the batch's segment/branch ids: bool for sdpa (True = attend), additive for eager."""
@@ -90,21 +91,66 @@ class TransformersCache:
     _GrowingLayer (room for the batch's columns, written in place); others build their own cache (sliding windows
     and the like). Several new columns may follow earlier ones (a shared prompt prefix) on models whose layers are
     all full causal attention (`backend.shares_prompt_prefix`): a sliding window counts columns, and would count the
-    padding between prefix and suffix as tokens."""
+    padding between prefix and suffix as tokens.
+
+    Rows are selected, trimmed and written (continuous batching, nano_eval.decoder) in layers that keep a column's
+    keys and values as tensors [B, kv_heads, columns, head_dim]: DynamicLayer (and _GrowingLayer) and
+    DynamicSlidingWindowLayer, which holds the last window - 1 columns only (a refilled row is left-padded, so its
+    window still covers its own tokens). `writes_rows` is False for caches with other layers (states of recurrent
+    layers, quantized or indexed caches): their prompts then wait until the pool is empty."""
 
     def __init__(self, backend: TransformersModel):
         self.backend = backend
         self.multi_token_extend = backend.shares_prompt_prefix
         self.cache = None
+        self.rows = self.length = self.limit = 0  # rows, columns so far, room per row
+        self.writes_rows = backend.cache_writes_rows
         # transformers renamed `past_key_values` to `cache` (5.x; the old name warns, then goes in 5.40)
         model = backend.model.get_decoder() if backend._head_only_on_scored else backend.model
         self._cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     def allocate(self, rows: int, columns: int) -> None:
         self.cache = _growing_cache(self.backend.model, columns)
+        self.rows, self.length, self.limit = rows, 0, columns
 
-    def select_rows(self, index: torch.Tensor) -> None:
-        self.cache.batch_select_indices(index.to(self.backend.device))
+    def select_rows(self, index: torch.Tensor, start: int = 0, columns: int | None = None) -> None:
+        if not start and columns is None:
+            self.cache.batch_select_indices(index.to(self.backend.device))
+        else:
+            index = index.to(self.backend.device)
+            for layer in _layers(self.cache):
+                keep = self.length - start  # columns kept, of which the layer holds the last ones
+                layer.keys = _fit(layer.keys.index_select(0, index), _held(layer, keep))
+                layer.values = _fit(layer.values.index_select(0, index), _held(layer, keep))
+                _set_length(layer, keep, columns)
+        self.rows, self.length = len(index), self.length - start
+        self.limit = columns or self.limit
+
+    def write_rows(self, slots: torch.Tensor, source: TransformersCache | None, rows: torch.Tensor | None = None,
+                   columns: int | None = None) -> None:
+        if source is None:
+            return  # the `real` mask of the next run says the slots hold no tokens
+        if self.cache is None:
+            self.cache = _model_cache(self.backend.model)
+        device = self.backend.device
+        slots = slots.to(device)
+        rows = (torch.arange(len(slots)) if rows is None else rows).to(device)
+        n = source.length if columns is None else columns
+        length = max(self.length, n)
+        for layer, other in zip(self.cache.layers, source.cache.layers):
+            if not layer.is_initialized:
+                layer.lazy_initialization(other.keys, other.values)
+                layer.keys = other.keys.new_zeros((self.rows, *other.keys.shape[1:2], 0, other.keys.shape[-1]))
+                layer.values = other.values.new_zeros((self.rows, *other.values.shape[1:2], 0, other.values.shape[-1]))
+            held = _held(layer, length)
+            if held != layer.keys.shape[-2]:  # grown by padding columns in front
+                layer.keys, layer.values = _fit(layer.keys, held), _fit(layer.values, held)
+                _set_length(layer, length, None)
+            copied = min(n, held, other.keys.shape[-2])
+            for mine, theirs in ((layer.keys, other.keys), (layer.values, other.values)):
+                mine[slots, :, : held - copied] = 0
+                mine[slots, :, held - copied:] = theirs[rows, :, theirs.shape[-2] - copied:]
+        self.length = length
 
     def run(self, ids: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
         """ids [b, n] (the last n columns of `real` [b, S]) through the model; logits [b, V] at the last one."""
@@ -119,7 +165,48 @@ class TransformersCache:
             out = backend.model(**inputs)
             logits = out.logits[:, -1]
         self.cache = getattr(out, self._cache_arg)
+        self.rows, self.length = ids.shape[0], real.shape[1]
         return logits
+
+
+def _model_cache(model) -> DynamicCache | None:
+    """The DynamicCache the model builds for itself (None for a config DynamicCache cannot take)."""
+    try:
+        return DynamicCache(config=model.config)
+    except Exception:  # noqa: BLE001 -- an unusual config: the model chooses its cache
+        return None
+
+
+def _writable(cache) -> bool:
+    """Whether TransformersCache can select, trim and write rows of every layer of `cache`."""
+    return isinstance(cache, DynamicCache) and bool(cache.layers) and all(
+        type(layer) in (DynamicLayer, _GrowingLayer, DynamicSlidingWindowLayer) for layer in cache.layers)
+
+
+def _layers(cache) -> list:
+    return [layer for layer in cache.layers if layer.is_initialized and layer.keys is not None and layer.keys.dim() == 4]
+
+
+def _held(layer, length: int) -> int:
+    """Columns a layer holds of `length` columns: all, or a sliding window's last window - 1."""
+    return min(length, layer.sliding_window - 1) if isinstance(layer, DynamicSlidingWindowLayer) else length
+
+
+def _fit(t: torch.Tensor, columns: int) -> torch.Tensor:
+    """t [B, H, S, D] -> [B, H, columns, D]: its last `columns` columns, zero columns in front where it has fewer."""
+    if t.shape[-2] >= columns:
+        return t[..., t.shape[-2] - columns:, :]
+    return torch.cat([t.new_zeros((*t.shape[:-2], columns - t.shape[-2], t.shape[-1])), t], dim=-2)
+
+
+def _set_length(layer, length: int, limit: int | None) -> None:
+    """After a layer's keys / values were replaced: its column count (sliding layers count every column seen) and,
+    for a _GrowingLayer, new room on its next update (`limit`: its room per row)."""
+    if isinstance(layer, DynamicSlidingWindowLayer):
+        layer.cumulative_length = length
+    if isinstance(layer, _GrowingLayer):
+        layer.room = None
+        layer.limit = limit or layer.limit
 
 
 class _GrowingLayer(DynamicLayer):
@@ -159,11 +246,8 @@ def _growing_cache(model, limit: int) -> DynamicCache | None:
     """A DynamicCache of _GrowingLayer (room for `limit` columns at most) when the model's own cache would be all
     plain DynamicLayer (full attention in every layer), else None (the model builds its own: sliding-window layers and
     the like, which hold at most `limit` columns as well)."""
-    try:
-        cache = DynamicCache(config=model.config)
-    except Exception:  # noqa: BLE001 -- an unusual config: let the model choose its cache
-        return None
-    if not cache.layers or any(type(layer) is not DynamicLayer for layer in cache.layers):
+    cache = _model_cache(model)
+    if cache is None or not cache.layers or any(type(layer) is not DynamicLayer for layer in cache.layers):
         return None
     cache.layers = [_GrowingLayer(limit) for _ in cache.layers]
     return cache
