@@ -198,7 +198,10 @@ def _assert_generations(gens: list[dict], reference: dict, layout: str, model_pa
         assert g["cached"] == g["rerun"] == reference["generation"], layout
         assert g["cached_stop"] == g["rerun_stop"] == reference["generation_stop"], layout
     assert len({len(tokens) for tokens, _, _ in gens[0]["cached_stop"].values()}) > 2  # rows finished apart
-    assert all(g["refills"] > 0 for g in gens)  # freed slots took waiting prompts (continuous batching)
+    if len(gens) == model_parallel:  # one replica holds all 6 prompts: freed slots took waiting ones (continuous
+        # batching). Under DP each rank's 3 prompts are these toy weights' answers of 24, 24, 4 or 4, 4, 5 tokens
+        # with the stop: the first two rows of a pool end at the same step, so its third restarts the pool instead
+        assert all(g["refills"] > 0 for g in gens)
     cached, rerun = check_cost(gens)
     print(f"{layout}: {cached} tokens through the model with the KV cache, {rerun} re-running ({rerun / cached:.1f}x)")
     # each rank's caches hold its rows x (longest prompt + answer) columns, inside generate()'s 400-token batches;
