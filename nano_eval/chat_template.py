@@ -12,7 +12,8 @@ budget per rendering:
 
 - steps: every loop iteration, call, attribute or item lookup, filter and operator counts one; at most
   `MAX_STEPS` + `STEPS_PER_MESSAGE` per message (per `items` of the input; a genuine template takes tens per
-  message), and at most `MAX_SECONDS` of wall time;
+  message), and at most `MAX_SECONDS` of wall time (checked at each step, and by nano_eval.time_limit's alarm
+  within a single call such as a backtracking `regex_replace`, on the main thread);
 - size: no string or list the template builds (by `*`, `+`, `~`, `%`, a filter or a method) and not the output
   may be longer than `max_chars` (1 MiB + 16 x the characters of the input), and all it builds together no
   more than `TOTAL_SIZES` x that; sizes are checked before the operation where the operation could allocate
@@ -34,6 +35,7 @@ import time
 from typing import Any
 
 from nano_eval.errors import NanoEvalError
+from nano_eval.time_limit import TimeLimitExceeded, time_limit
 
 MAX_STEPS = 20_000
 STEPS_PER_MESSAGE = 2_000
@@ -299,11 +301,15 @@ class SandboxedTemplate:
         self.env.start(MAX_STEPS + STEPS_PER_MESSAGE * items, BASE_CHARS + CHARS_PER_INPUT_CHAR * input_chars)
         out, n = [], 0
         try:
-            for chunk in self.template.generate(**variables):
-                n += len(chunk)
-                self.env.size(n, "text")
-                self.env.step()
-                out.append(chunk)
+            with time_limit(MAX_SECONDS + 1):  # also within one call no step sees (a backtracking regex_replace)
+                for chunk in self.template.generate(**variables):
+                    n += len(chunk)
+                    self.env.size(n, "text")
+                    self.env.step()
+                    out.append(chunk)
+        except TimeLimitExceeded:
+            raise TemplateRefused(f"takes more than {MAX_SECONDS:g}s for one rendering (within one filter call: a "
+                                  "regular expression that backtracks?)") from None
         except _OverBudget as e:
             raise TemplateRefused(str(e)) from None
         except RecursionError:

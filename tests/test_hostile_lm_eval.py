@@ -219,6 +219,11 @@ def infinite(doc, results):
 """
 JINJA_RCE = "{{ cycler.__init__.__globals__.os.system('touch %s') }}Question: {{a}} plus {{b}}\nAnswer:"
 
+# a regular expression that backtracks for hours (exponential in its text's length) in a template's regex_replace
+# and in a regex filter over the model's outputs: one C call each, interrupted by nano_eval.time_limit
+REGEX_TEMPLATE = "{{ ('a' * 40 ~ 'b') | regex_replace('(a+)+$', '') }}Question: {{a}} plus {{b}}\nAnswer:"
+BACKTRACKING_FILTER = r"((.|\n)+)+\x00"
+
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> Path:
@@ -244,6 +249,10 @@ def folder(tmp_path_factory) -> Path:
         "t_nan_all": dump(multiple_choice("t_nan_all"), "process_results: !function scoring.nan_all\n"),
         "t_inf": dump(multiple_choice("t_inf"), "process_results: !function scoring.infinite\n"),
     }
+    tasks["t_regex_template"] = dump(multiple_choice("t_regex_template", prompt=REGEX_TEMPLATE))
+    backtracking = generation("t_regex_filter", max_gen_toks=32, until=["\x00"])
+    backtracking["filter_list"][0]["filter"][0]["regex_pattern"] = BACKTRACKING_FILTER
+    tasks["t_regex_filter"] = dump(backtracking)
     for name in ("by_literal_import", "by_importlib", "by_ssl", "by_computed_name"):
         tasks[f"t_{name}"] = dump(multiple_choice(f"t_{name}"), f"process_results: !function remote.{name}\n")
     escaped = generation("t_escaped")
@@ -268,6 +277,7 @@ REFUSED_AT_LOAD = {
     "t_gen_abc": (UnsupportedTaskError, "generation_kwargs max_gen_toks is 'abc', not an integer"),
     "t_temperature": (NanoEvalError, "lm-eval failed to load it: ValueError: could not convert string to float"),
     "t_do_sample": (UnsupportedTaskError, "generation_kwargs do_sample is 'no', not true or false"),
+    "t_regex_template": (UnsupportedTaskError, "takes more than 2s for one rendering"),
 }
 
 
@@ -446,3 +456,20 @@ def test_lm_evals_own_templates_render_the_same_in_the_sandbox(tmp_path):
         assert ours == strings(leaf.task.instances), task_name
         compared[task_name] = len(ours)
     assert len(compared) == len(OLMO_ROWS) and min(compared.values()) >= 40, compared
+
+
+def test_a_backtracking_regex_filter_fails_its_task_within_its_time_limit(folder, toy_checkpoint, tmp_path, capsys):
+    """A YAML's regex filter that backtracks on the model's outputs (it ran for hours: one `re` call no step counter
+    sees) fails its task in one line within the filters' limit (5 s + 20 ms a response); the other task is scored."""
+    out = tmp_path / "out"
+    start = time.monotonic()
+    code = within(120, main, ["--checkpoint", str(toy_checkpoint), "--tasks", "lm_eval|t_good|0,lm_eval|t_regex_filter|0",
+                              "--lm-eval-include-path", str(folder), "--max-samples", "4", "--output-dir", str(out)])
+    elapsed = time.monotonic() - start
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("nano_eval:")]
+    assert code == 2 and len(err) == 1, err
+    doc = json.loads((out / "results.json").read_text())
+    assert list(doc["results"]) == ["lm_eval|t_good|0"]
+    why = doc["failed_tasks"]["lm_eval|t_regex_filter|0"]
+    assert "its filters took more than 5.08s over 4 responses" in why and "Fix: the filter_list" in why, why
+    assert elapsed < 90, elapsed  # the whole run: loading, scoring, generation and the 5.08 s of the filters

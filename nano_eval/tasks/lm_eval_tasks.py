@@ -73,6 +73,7 @@ from nano_eval.tasks.lm_eval_checks import (
 )
 from nano_eval.tasks.spec import TaskSpec, TaskSpecError
 from nano_eval.tasks.task import TaskResult
+from nano_eval.time_limit import TimeLimitExceeded, time_limit
 from nano_eval.tasks.requests import (
     GreedyUntilRequest,
     LoglikelihoodRequest,
@@ -240,6 +241,7 @@ def _no_process_pool() -> Iterator[None]:
             os.environ["DISABLE_MULTIPROC"] = old
 
 
+FILTER_SECONDS, FILTER_SECONDS_PER_RESPONSE = 5.0, 0.02  # a task's filters, over all its responses (time_limit)
 MAX_TEMPLATES = 4096  # compiled Jinja templates kept (a task has a handful; past this, the cache starts over)
 _TEMPLATES: dict[str, Any] = {}
 _SANDBOX: list = []  # the bounded Jinja environment configured as lm-eval's, made once
@@ -593,16 +595,25 @@ class LmEvalTask:
 
     @staticmethod
     def _score_leaf(key: str, leaf: _Leaf, raw: dict, iters: int, details: dict, truncated: dict) -> dict:
-        """One lm-eval task of the spec: the answers into its instances, its filters, `process_results` per
-        document (every number finite: check_values), its aggregation and stderrs (check_metrics)."""
+        """One lm-eval task of the spec: the answers into its instances, its filters (within FILTER_SECONDS +
+        FILTER_SECONDS_PER_RESPONSE a response: nano_eval.time_limit), `process_results` per document (every number
+        finite: check_values), its aggregation and stderrs (check_metrics)."""
         from lm_eval.evaluator_utils import _compute_task_aggregations
 
         truncated[leaf.name] = _answer(leaf, raw)
         raw_metrics: dict[tuple[str, str], list] = defaultdict(list)
         details[leaf.name] = []
         instances = [inst for _, group in leaf.docs for inst in group]
-        for ensemble in leaf.task._filters:
-            ensemble.apply(instances)
+        limit = FILTER_SECONDS + FILTER_SECONDS_PER_RESPONSE * len(instances)
+        try:
+            with time_limit(limit):  # a YAML's `regex` filter may backtrack for hours on one output
+                for ensemble in leaf.task._filters:
+                    ensemble.apply(instances)
+        except TimeLimitExceeded:
+            raise TaskCodeError(
+                f"task {key}: lm-eval task {leaf.name!r}: its filters took more than {limit:g}s over "
+                f"{len(instances):,} responses (a genuine filter takes milliseconds; a regular expression that "
+                "backtracks?). Fix: the filter_list of the task's YAML", task=key) from None
         for filter_key in instances[0].filtered_resps:
             for doc_id, group in leaf.docs:
                 values = leaf.task.process_results(group[0].doc, [i.filtered_resps[filter_key] for i in group])
