@@ -131,7 +131,7 @@ class TorchtitanModel:
 
         reason = tt.cache_unsupported(self.stages[0].module)
         if reason is None:
-            return CacheDecoder(TorchtitanCache(self), shared_prefix_tokens)
+            return CacheDecoder(lambda: TorchtitanCache(self), shared_prefix_tokens)
         note_rerun_generation(self, reason)
         return None
 
