@@ -69,6 +69,11 @@ def packed_vs_unpacked(backend, output_layer_rows=None, **batching) -> dict:
     packed, packed_work = run()
     assert packed.keys() == unpacked.keys()
     return {"max_diff": max(abs(packed[k][0] - unpacked[k][0]) for k in packed),
+            # |packed - unpacked| <= 1e-5 + 1e-6 |unpacked| (torch.isclose): for kernels that differ between the
+            # two paths (megatron-core: torch's fused SDPA packed, megatron's eager attention unpacked), whose fp32
+            # sums of a continuation's log-probs (tens of nats) differ by a few ulps
+            "within_1e-5_plus_1e-6_relative": all(abs(packed[k][0] - unpacked[k][0]) <= 1e-5 + 1e-6 * abs(unpacked[k][0])
+                                                 for k in packed),
             "greedy_mismatches": [k for k in packed if packed[k][1:] != unpacked[k][1:]],
             "packed": packed_work, "unpacked": unpacked_work, "requests": len(packed)}
 

@@ -108,13 +108,14 @@ def test_output_layer_computes_scored_positions_only(request, name):
 def test_packed_rows_score_like_one_row_per_request(request, name):
     """megatron-core's local attention takes the tree mask (nano_eval.backends.megatron_packed): a document's context
     once, short documents several to a row, a shared few-shot prefix once, each scored position through the output
-    layer once (tests/packing_checks.py) give the log-probs of one row per request within 1e-5 and the same greedy
-    flags, in every layout (per-row RoPE across pipeline stages, microbatches and sequence parallelism). Without
+    layer once (tests/packing_checks.py) give the log-probs of one row per request within 1e-5 + 1e-6 x |log-prob|
+    (packed rows run torch's fused attention, plain rows megatron's eager one) and the same greedy flags, in every
+    layout (per-row RoPE across pipeline stages, microbatches and sequence parallelism). Without
     the per-row RoPE positions the same check is 10.7 nats off."""
     for rank in world_of(request, name)["ranks"]:
         check = rank[name]["packing"]
         assert rank[name]["hooks_left_after_packing"] == 0
-        assert check["max_diff"] <= 1e-5 and not check["greedy_mismatches"], check
+        assert check["within_1e-5_plus_1e-6_relative"] and not check["greedy_mismatches"], check
         packed, unpacked = check["packed"], check["unpacked"]
         assert packed["masked_rows"] > 0
         assert packed["positions"] < unpacked["positions"] / 3

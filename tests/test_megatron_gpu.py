@@ -109,11 +109,11 @@ def packing_gpt(rank, world, tp, pp, tokenizer_dir):
 
 
 def test_packed_rows_on_cuda(toy_checkpoint):
-    """fp32 on one GPU: the local spec scores packed rows within 1e-5 of one row per request; a Transformer Engine
-    spec gets plain rows (the same scores), and the line says which ran."""
+    """fp32 on one GPU: the local spec scores packed rows within 1e-5 + 1e-6 relative of one row per request; a
+    Transformer Engine spec gets plain rows (the same scores), and the line says which ran."""
     got = run_nccl(packing_gpt, 1, 1, 1, str(toy_checkpoint), timeout=600)[0]
     assert got["takes_packed_rows"] == got["local_spec"], got
-    assert got["max_diff"] <= 1e-5 and not got["greedy_mismatches"], got
+    assert got["within_1e-5_plus_1e-6_relative"] and not got["greedy_mismatches"], got
     assert (got["packed"]["masked_rows"] > 0) == got["local_spec"], got
     print(f"gpu_check: megatron {'local' if got['local_spec'] else 'Transformer Engine'} spec: packed rows "
           f"{'taken' if got['takes_packed_rows'] else 'not taken (plain rows)'}; log-probs within "
