@@ -179,7 +179,9 @@ def fused_scores(backend) -> dict:
     from nano_eval.backends.base import evaluation_mode
     from nano_eval.engine import BatchingConfig, Engine
 
-    engine = Engine(backend, BatchingConfig(max_batch_tokens=100_000), progress=False)
+    # plain rows in one batch: causal layers' fused softmax (packed rows run torch's SDPA under the tree mask,
+    # nano_eval.backends.megatron_packed; max_padding would cut rows under 3/4 of the longest into a batch of their own)
+    engine = Engine(backend, BatchingConfig(max_batch_tokens=100_000, packing=False, max_padding=1.0), progress=False)
     requests = fused_requests()
     with evaluation_mode(backend.module), kernel_calls() as calls:
         results = engine.run_loglikelihood(engine.prepare_loglikelihood(requests))

@@ -112,17 +112,21 @@ def test_packed_rows_score_like_one_row_per_request(request, name):
     (packed rows run torch's fused attention, plain rows megatron's eager one) and the same greedy flags, in every
     layout (per-row RoPE across pipeline stages, microbatches and sequence parallelism). Without
     the per-row RoPE positions the same check is 10.7 nats off."""
-    for rank in world_of(request, name)["ranks"]:
+    ranks = world_of(request, name)["ranks"]
+    for rank in ranks:
         check = rank[name]["packing"]
         assert rank[name]["hooks_left_after_packing"] == 0
         assert check["within_1e-5_plus_1e-6_relative"] and not check["greedy_mismatches"], check
         packed, unpacked = check["packed"], check["unpacked"]
         assert packed["masked_rows"] > 0
         assert packed["positions"] < unpacked["positions"] / 3
-        assert packed["output_positions"] < unpacked["output_positions"]
         # the output layer projected each distinct scored position once (last stage; zero elsewhere)
         for work in (packed, unpacked):
             assert work["output_layer_rows_here"] in (0, work["output_positions"])
+    # output positions summed over ranks: under DP each rank's shard is topped up with repeats of its last row (a
+    # document packed, a request unpacked), so one rank may project more than it would unpacked
+    assert sum(r[name]["packing"]["packed"]["output_positions"] for r in ranks) < \
+        sum(r[name]["packing"]["unpacked"]["output_positions"] for r in ranks)
 
 
 # ---- greedy generation from megatron-core's static KV cache ---------------------------------------------------
@@ -139,7 +143,9 @@ def test_kv_cache_generations_equal_the_rerun_path(request, name):
     for g in gens:
         assert g["decoder"]
         assert g["cached"] == g["rerun"] and g["cached_stop"] == g["rerun_stop"]
-        assert g["refills"] > 0  # freed slots took waiting prompts (continuous batching)
+        if name != "dp":  # one replica holds all prompts: freed slots took waiting ones (continuous batching); at
+            # dp4 a rank holds 1-2 of the 6 prompts, all in its first pool
+            assert g["refills"] > 0
     assert len({len(tokens) for tokens, _, _ in gens[0]["cached_stop"].values()}) > 2  # rows finished apart
 
 
