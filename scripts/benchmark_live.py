@@ -310,8 +310,9 @@ def worker(args) -> int:
                               "positions": positions, "output_positions": output, "work": results.work,
                               "docs": per_doc([d["metrics"] for d in details])}
     if train_step is not None and args.train_steps:
-        ids = torch.randint(0, 49152, (1, args.train_seq + 1), generator=torch.Generator().manual_seed(1))
-        ids = ids.to(next(iter(embedding.parameters())).device)
+        weight = next(iter(embedding.parameters()))  # [vocab (this TP rank's share at tp1: all), hidden]
+        ids = torch.randint(0, weight.shape[0], (1, args.train_seq + 1), generator=torch.Generator().manual_seed(1))
+        ids = ids.to(weight.device)
         train_step(ids)  # warm-up (optimizer state)
         start = time.perf_counter()
         for _ in range(args.train_steps):

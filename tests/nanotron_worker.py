@@ -294,7 +294,8 @@ def evaluate_with_failing_rank(rank, world, tokenizer_dir, run_dir, failing_rank
         backend.forward = broken_forward
     start = time.monotonic()
     try:
-        summarize(backend, "demo|arithmetic|0", batch_tokens=64, max_samples=12)
+        # plain rows: 12 requests in several batches (packed, a few rows hold them all and the second never comes)
+        summarize(backend, "demo|arithmetic|0", batch_tokens=64, max_samples=12, packing=False)
         return "finished", time.monotonic() - start
     except Exception as e:  # noqa: BLE001 - the outcome is what the test checks
         return f"{type(e).__name__}: {e}", time.monotonic() - start

@@ -336,7 +336,25 @@ def test_two_data_parallel_ranks_score_as_one_process(include_dir, toy_checkpoin
     def comparable(scores):  # NaN stderrs compare equal as strings
         return json.dumps(scores, sort_keys=True, default=str)
 
-    assert comparable(ranks[0]) == comparable(ranks[1]) == comparable(one)
+    assert comparable(ranks[0]) == comparable(ranks[1])  # every rank the same, bit for bit
+    _assert_close(json.loads(comparable(ranks[0])), json.loads(comparable(one)), "dp2 vs one process")
+
+
+def _assert_close(a, b, where: str) -> None:
+    """The same structure and strings; numbers within 1e-6 relative (log-probs summed in fp32 in batches cut
+    differently per data-parallel shard: --max-padding groups rows by length)."""
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), where
+        for k in a:
+            _assert_close(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, list):
+        assert isinstance(b, list) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_close(x, y, f"{where}[{i}]")
+    elif isinstance(a, float) and isinstance(b, float):
+        assert a == b or (math.isnan(a) and math.isnan(b)) or abs(a - b) <= 1e-6 * max(abs(a), abs(b)), (where, a, b)
+    else:
+        assert a == b, (where, a, b)
 
 
 # ---- the command line ---------------------------------------------------------------------------------------------

@@ -289,22 +289,24 @@ def test_watch_submits_new_checkpoints_and_ctrl_c_cancels_the_running_and_the_qu
     is kept half-done; the command run again (one-shot) scores just those two."""
     run, out, log = _run_of(reference, tmp_path, (8,)), tmp_path / "out", tmp_path / "driver.txt"
     args = _args(run, out, "--watch", "--poll-s", "0.5", "--array-parallelism", "1")
-    with _claim(out, "checkpoint-16"), _driving(args, log) as driver:
-        _wait(lambda: (out / "checkpoint-8" / "results.json").exists(), 240, "checkpoint-8")
-        for step in (16, 24):  # written elsewhere, then renamed into place (as trainers save)
-            shutil.copytree(reference[0] / f"checkpoint-{step}", tmp_path / f"tmp-{step}")
-        for step in (16, 24):
-            (tmp_path / f"tmp-{step}").rename(run / f"checkpoint-{step}")
-        array = _wait(lambda: next((j.split("_")[0] for j, r in _running(out).items()
-                                    if "checkpoint-24" in r["checkpoints"] and "_" in j), None), 120, "the array")
-        _wait(lambda: _waiting_on_claim(out, f"{array}_0", "checkpoint-16"), 240, "the job of checkpoint-16")
-        assert _queue()[f"{array}_1"][0] == "PENDING"  # --array-parallelism 1
-        driver.send_signal(signal.SIGINT)
-        assert driver.wait(timeout=120) == 128 + signal.SIGINT, log.read_text()[-3000:]
-    text = log.read_text()
-    assert f"job {array}_0 cancelled before scoring checkpoint-16" in text, text
-    assert f"job {array}_1 cancelled before scoring checkpoint-24" in text, text
-    _wait(lambda: all(_queue()[f"{array}_{k}"][0] == "CANCELLED" for k in (0, 1)), 60, "Slurm to cancel both")
+    with _claim(out, "checkpoint-16"):  # held until Slurm has ended both jobs (a job still alive when the claim
+        # frees could take it in the moment before scancel's SIGTERM reaches it)
+        with _driving(args, log) as driver:
+            _wait(lambda: (out / "checkpoint-8" / "results.json").exists(), 240, "checkpoint-8")
+            for step in (16, 24):  # written elsewhere, then renamed into place (as trainers save)
+                shutil.copytree(reference[0] / f"checkpoint-{step}", tmp_path / f"tmp-{step}")
+            for step in (16, 24):
+                (tmp_path / f"tmp-{step}").rename(run / f"checkpoint-{step}")
+            array = _wait(lambda: next((j.split("_")[0] for j, r in _running(out).items()
+                                        if "checkpoint-24" in r["checkpoints"] and "_" in j), None), 120, "the array")
+            _wait(lambda: _waiting_on_claim(out, f"{array}_0", "checkpoint-16"), 240, "the job of checkpoint-16")
+            assert _queue()[f"{array}_1"][0] == "PENDING"  # --array-parallelism 1
+            driver.send_signal(signal.SIGINT)
+            assert driver.wait(timeout=120) == 128 + signal.SIGINT, log.read_text()[-3000:]
+        text = log.read_text()
+        assert f"job {array}_0 cancelled before scoring checkpoint-16" in text, text
+        assert f"job {array}_1 cancelled before scoring checkpoint-24" in text, text
+        _wait(lambda: all(_queue()[f"{array}_{k}"][0] == "CANCELLED" for k in (0, 1)), 60, "Slurm to cancel both")
     assert _running(out) == {}
     assert not (out / "checkpoint-24" / "results.json").exists()
 
