@@ -200,7 +200,7 @@ class Engine:
         with agreement.guard():
             shard = list(GenDistributedSampler(dataset, self.layout.dp_size, self.layout.dp_rank))
             batches = [[dataset[i] for i in positions] for positions in
-                       dataset.splits_iterator(shard, *cut, 1.0 if whole else max_padding)]
+                       dataset.splits_iterator(shard, *cut, max_padding)]
         if agreement.error is not None and not self.lockstep:
             batches = [[]]  # one empty batch: its meeting stops the replica's other ranks at their first
         if self.lockstep:

@@ -20,9 +20,10 @@ Two things are ours, switched on for one forward by `TreeForward.applied()` and 
   `[B x heads, S, S]` and a masked softmax over them (eager), 1.3-1.7x the transformers path's time on 5-shot rows of
   a thousand columns. While packed, each such module's forward is `tree_attention` instead: torch's
   scaled_dot_product_attention over the same q, k, v with the tree as a boolean mask, the module's own softmax scale
-  (its query-key layer scaling included), GQA groups repeated as megatron repeats them. Same softmax(QK^T)V; padding
-  queries also see themselves (megatron fills masked scores with -10000, so they never hold NaN). Modules with a
-  softmax offset (0.19's `softmax_type` other than vanilla) or attention dropout in training mode keep megatron's.
+  (its query-key layer scaling included), GQA groups repeated as megatron repeats them. Same softmax(QK^T)V (the
+  tree mask leaves no query row fully masked: padding sees earlier padding, so no softmax row is empty). Modules
+  with a softmax offset (0.19's `softmax_type` other than vanilla) or attention dropout in training mode keep
+  megatron's.
 Sequence parallelism needs nothing: the attention sees the whole sequence after the gather, and the table covers
 every column (megatron sizes it for S x tp).
 
@@ -88,18 +89,19 @@ class TreeForward:
     @contextmanager
     def applied(self):
         from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
         from megatron.core.transformer.enums import AttnMaskType
 
-        flips = []
+        flips, fused = [], []
         for model in self.models:
             modules = list(model.modules())
+            fused += [m for m in modules if type(m) is DotProductAttention and _fusable(m)]
             flips += [(m, "attn_mask_type", AttnMaskType.padding) for m in modules
                       if isinstance(m, FusedScaleMaskSoftmax) and m.attn_mask_type == AttnMaskType.causal]
             configs = {id(c): c for c in (getattr(m, "config", None) for m in modules) if c is not None}
             flips += [(c, "apply_rope_fusion", False) for c in configs.values()
                       if getattr(c, "apply_rope_fusion", None) is True]
         saved = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in flips]
-        fused = [m for model in self.models for m in model.modules() if _fusable(m)]
         with ExitStack() as stack:
             for module in fused:  # an instance attribute over the class's forward, deleted after
                 module.forward = tree_attention.__get__(module)
@@ -124,22 +126,18 @@ class TreeForward:
         return emb[:, 0][positions.t()]
 
 
-def _fusable(module) -> bool:
-    """A megatron-core local DotProductAttention whose forward tree_attention computes exactly."""
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-
-    if type(module) is not DotProductAttention:
+def _fusable(core) -> bool:
+    """Whether tree_attention computes this local DotProductAttention's forward exactly."""
+    if getattr(core, "softmax_offset", None) is not None:  # 0.19's off-by-one / learnable softmax
         return False
-    if getattr(module, "softmax_offset", None) is not None:  # 0.19's off-by-one / learnable softmax
-        return False
-    return not (module.training and module.attention_dropout.p > 0)
+    return not (core.training and core.attention_dropout.p > 0)
 
 
 def tree_attention(core, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor,
                    attn_mask_type=None, attention_bias=None, packed_seq_params=None) -> torch.Tensor:
     """DotProductAttention.forward of `core` as one scaled_dot_product_attention: query [sq, b, np, hn], key /
-    value [sk, b, ng, hn] (this rank's heads), attention_mask [b, 1, sq, sk] bool (True = masked) -> context
-    [sq, b, np x hn]."""
+    value [sk, b, ng, hn] (this rank's heads), attention_mask [b, 1, sq, sk] bool (True = masked; tree_inputs' mask,
+    in which no query row is fully masked) -> context [sq, b, np x hn]."""
     if attention_bias is not None or packed_seq_params is not None:
         raise RuntimeError("nano_eval's packed megatron attention got an attention bias or packed sequence params")
     sq, b, heads, _ = query.shape
@@ -147,9 +145,7 @@ def tree_attention(core, query: torch.Tensor, key: torch.Tensor, value: torch.Te
     q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, hn]
     if group > 1:
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    itself = torch.eye(sq, key.shape[0], dtype=torch.bool, device=query.device)
-    allowed = ~attention_mask | itself  # a padding query sees itself: no empty softmax row
     layer_scale = core.scale_mask_softmax.scale
     scale = core.softmax_scale * (1.0 if layer_scale is None else layer_scale)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)  # [b, heads, sq, hn]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask, scale=scale)  # [b, heads, sq, hn]
     return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
